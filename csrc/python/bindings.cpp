@@ -1,0 +1,271 @@
+// The only pybind11 file. Raw addresses (uintptr_t) and int64 sizes in, nothing out; the GIL is
+// released around every kernel. Validation of tensors happens in pyasync/ops (Python), which knows
+// dtypes and devices; the core re-checks what would otherwise corrupt memory.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "pyasync/common.h"
+#include "pyasync/launchers.h"
+#include "pyasync/params.h"
+
+namespace py = pybind11;
+using pyasync::Codec;
+using pyasync::DType;
+
+namespace {
+
+using addr = uintptr_t;
+
+
+template <typename T>
+T* ptr(addr a) {
+  return reinterpret_cast<T*>(a);
+}
+
+pyasync::Payload make_payload(int32_t codec, addr codes, addr scales, addr indices, int64_t n, int64_t k,
+                              int32_t block) {
+  PYASYNC_CHECK_ARG(codec >= 0 && codec <= 5, "unknown codec id " + std::to_string(codec));
+  PYASYNC_CHECK_ARG(n >= 0, "element count must be >= 0");
+  const Codec c = static_cast<Codec>(codec);
+  if (c == Codec::kInt8 || c == Codec::kSign) PYASYNC_CHECK_ARG(block > 0, "block must be > 0");
+  if (c == Codec::kTopK) PYASYNC_CHECK_ARG(k >= 1 && k <= n, "top-k needs 1 <= k <= n");
+  return pyasync::Payload{c, ptr<void>(codes), ptr<float>(scales), ptr<int32_t>(indices), n, k, block};
+}
+
+DType make_dtype(int32_t d) {
+  PYASYNC_CHECK_ARG(d >= 0 && d <= 2, "unknown dtype id " + std::to_string(d));
+  return static_cast<DType>(d);
+}
+
+void check_table(const std::vector<uint64_t>& a, const std::vector<int64_t>& n, const std::vector<int64_t>& o) {
+  PYASYNC_CHECK_ARG(a.size() == n.size() && a.size() == o.size(),
+                    "address, numel and offset tables must have the same length");
+  for (size_t i = 0; i < n.size(); ++i) PYASYNC_CHECK_ARG(n[i] >= 0 && o[i] >= 0, "negative numel or offset");
+}
+
+pyasync::FlattenParams flatten_params(const std::vector<uint64_t>& srcs, const std::vector<int64_t>& numels,
+                                      const std::vector<int64_t>& offsets, int32_t src_dtype,
+                                      int32_t dst_dtype, addr bucket, float scale, addr nonfinite,
+                                      int32_t num_threads) {
+  check_table(srcs, numels, offsets);
+  return pyasync::FlattenParams{srcs.data(), numels.data(), offsets.data(), static_cast<int32_t>(srcs.size()),
+                                make_dtype(src_dtype), make_dtype(dst_dtype), ptr<void>(bucket), scale,
+                                ptr<int32_t>(nonfinite), num_threads};
+}
+
+pyasync::UnflattenParams unflatten_params(const std::vector<uint64_t>& dsts, const std::vector<int64_t>& numels,
+                                          const std::vector<int64_t>& offsets, int32_t src_dtype,
+                                          int32_t dst_dtype, addr src, int64_t begin, int64_t end,
+                                          int32_t num_threads) {
+  check_table(dsts, numels, offsets);
+  PYASYNC_CHECK_ARG(0 <= begin && begin <= end, "unflatten needs 0 <= begin <= end");
+  return pyasync::UnflattenParams{dsts.data(), numels.data(), offsets.data(), static_cast<int32_t>(dsts.size()),
+                                  make_dtype(src_dtype), make_dtype(dst_dtype), ptr<const void>(src), begin, end,
+                                  num_threads};
+}
+
+pyasync::EncodeParams encode_params(addr grad, addr residual_in, addr residual_out, int32_t codec, addr codes,
+                                    addr scales, addr indices, int64_t n, int64_t k, int32_t block,
+                                    addr nonfinite, addr workspace, int64_t workspace_bytes,
+                                    int32_t num_threads) {
+  PYASYNC_CHECK_ARG(residual_in != 0 || residual_out == 0, "residual_out given without residual_in");
+  return pyasync::EncodeParams{ptr<const float>(grad),
+                               ptr<const float>(residual_in),
+                               ptr<float>(residual_out),
+                               make_payload(codec, codes, scales, indices, n, k, block),
+                               ptr<int32_t>(nonfinite),
+                               ptr<void>(workspace),
+                               workspace_bytes,
+                               num_threads};
+}
+
+pyasync::DecodeParams decode_params(int32_t codec, addr codes, addr scales, addr indices, int64_t n, int64_t k,
+                                    int32_t block, addr out, float alpha, bool accumulate, int32_t num_threads) {
+  return pyasync::DecodeParams{make_payload(codec, codes, scales, indices, n, k, block), ptr<float>(out), alpha,
+                               accumulate, num_threads};
+}
+
+pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_t n, int32_t block,
+                                  float grad_scale, addr dense, float dense_scale, addr param, addr state1,
+                                  addr state2, const py::dict& opt, int32_t num_threads) {
+  PYASYNC_CHECK_ARG(codec != static_cast<int32_t>(Codec::kTopK),
+                    "apply does not decode top-k; scatter it into `dense` first");
+  pyasync::Payload g = make_payload(codec, codes, scales, 0, n, 0, block);
+  pyasync::OptimParams o{};
+  const std::string kind = opt["kind"].cast<std::string>();
+  PYASYNC_CHECK_ARG(kind == "sgd" || kind == "adam", "optimizer kind must be 'sgd' or 'adam'");
+  o.kind = kind == "sgd" ? pyasync::OptimKind::kSGD : pyasync::OptimKind::kAdam;
+  auto f = [&](const char* key, float dflt) { return opt.contains(key) ? opt[key].cast<float>() : dflt; };
+  auto b = [&](const char* key) { return opt.contains(key) ? opt[key].cast<bool>() : false; };
+  o.lr = f("lr", 0.0f);
+  o.weight_decay = f("weight_decay", 0.0f);
+  o.maximize = b("maximize");
+  o.momentum = f("momentum", 0.0f);
+  o.dampening = f("dampening", 0.0f);
+  o.nesterov = b("nesterov");
+  o.first_step = b("first_step");
+  o.beta1 = f("beta1", 0.9f);
+  o.beta2 = f("beta2", 0.999f);
+  o.eps = f("eps", 1e-8f);
+  o.decoupled_weight_decay = b("decoupled_weight_decay");
+  o.step_size = f("step_size", 0.0f);
+  o.bias_correction2_sqrt = f("bias_correction2_sqrt", 1.0f);
+  if (o.kind == pyasync::OptimKind::kSGD && o.momentum != 0.0f)
+    PYASYNC_CHECK_ARG(state1 != 0, "SGD with momentum needs a momentum buffer (state1)");
+  if (o.kind == pyasync::OptimKind::kAdam) PYASYNC_CHECK_ARG(state1 != 0 && state2 != 0, "Adam needs state1 and state2");
+  PYASYNC_CHECK_ARG(param != 0, "apply needs a parameter shard");
+  return pyasync::ApplyParams{g,          grad_scale,       ptr<const float>(dense), dense_scale, ptr<float>(param),
+                              ptr<float>(state1), ptr<float>(state2), o,          num_threads};
+}
+
+#if defined(PYASYNC_WITH_CUDA)
+pyasync::StreamHandle stream_of(addr s) {
+  static const int devices = pyasync::cuda_device_count();
+  if (devices == 0)
+    throw std::runtime_error(
+        "pyasync: a CUDA kernel was requested but no usable CUDA GPU is visible "
+        "(check the driver and CUDA_VISIBLE_DEVICES, or use CPU tensors)");
+  return reinterpret_cast<pyasync::StreamHandle>(s);
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyasync core kernels (raw pointers; use pyasync.ops, not this module)";
+
+#if defined(PYASYNC_WITH_CUDA)
+  m.def("has_cuda", [] { return true; }, "True when the CUDA kernels were compiled in.");
+  m.def("cuda_device_count", &pyasync::cuda_device_count, "Usable CUDA devices (0 without a driver).");
+#else
+  m.def("has_cuda", [] { return false; }, "True when the CUDA kernels were compiled in.");
+  m.def("cuda_device_count", [] { return 0; }, "Usable CUDA devices (0 without a driver).");
+#endif
+  m.def("set_num_threads", &pyasync::set_num_threads, py::arg("n"),
+        "CPU kernel threads for calls that pass num_threads=0; 0 restores the default.");
+  m.def("get_num_threads", &pyasync::get_num_threads, "CPU kernel threads a call with num_threads=0 uses.");
+  m.def("topk_workspace_bytes", &pyasync::topk_workspace_bytes, py::arg("n"), py::arg("k"),
+        "Scratch bytes the top-k encode needs for n elements, k kept.");
+
+#define PYASYNC_FLATTEN_ARGS                                                                                     \
+  py::arg("srcs"), py::arg("numels"), py::arg("offsets"), py::arg("src_dtype"), py::arg("dst_dtype"),        \
+      py::arg("bucket"), py::arg("scale"), py::arg("nonfinite"), py::arg("num_threads")
+#define PYASYNC_UNFLATTEN_ARGS                                                                                   \
+  py::arg("dsts"), py::arg("numels"), py::arg("offsets"), py::arg("src_dtype"), py::arg("dst_dtype"),        \
+      py::arg("src"), py::arg("begin"), py::arg("end"), py::arg("num_threads")
+#define PYASYNC_ENCODE_ARGS                                                                                      \
+  py::arg("grad"), py::arg("residual_in"), py::arg("residual_out"), py::arg("codec"), py::arg("codes"),      \
+      py::arg("scales"), py::arg("indices"), py::arg("n"), py::arg("k"), py::arg("block"), py::arg("nonfinite"), \
+      py::arg("workspace"), py::arg("workspace_bytes"), py::arg("num_threads")
+#define PYASYNC_DECODE_ARGS                                                                                      \
+  py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("indices"), py::arg("n"), py::arg("k"),     \
+      py::arg("block"), py::arg("out"), py::arg("alpha"), py::arg("accumulate"), py::arg("num_threads")
+#define PYASYNC_APPLY_ARGS                                                                                       \
+  py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("block"), py::arg("grad_scale"), \
+      py::arg("dense"), py::arg("dense_scale"), py::arg("param"), py::arg("state1"), py::arg("state2"),       \
+      py::arg("opt"), py::arg("num_threads")
+
+  // ---- CPU
+  m.def(
+      "flatten_cpu",
+      [](const std::vector<uint64_t>& srcs, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
+         int32_t sd, int32_t dd, addr bucket, float scale, addr nonfinite, int32_t nt) {
+        const auto p = flatten_params(srcs, numels, offsets, sd, dd, bucket, scale, nonfinite, nt);
+        py::gil_scoped_release nogil;
+        pyasync::flatten_cpu(p);
+      },
+      PYASYNC_FLATTEN_ARGS);
+  m.def(
+      "unflatten_cpu",
+      [](const std::vector<uint64_t>& dsts, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
+         int32_t sd, int32_t dd, addr src, int64_t begin, int64_t end, int32_t nt) {
+        const auto p = unflatten_params(dsts, numels, offsets, sd, dd, src, begin, end, nt);
+        py::gil_scoped_release nogil;
+        pyasync::unflatten_cpu(p);
+      },
+      PYASYNC_UNFLATTEN_ARGS);
+  m.def(
+      "encode_cpu",
+      [](addr g, addr ri, addr ro, int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k,
+         int32_t block, addr nf, addr ws, int64_t wsb, int32_t nt) {
+        const auto p = encode_params(g, ri, ro, codec, codes, scales, idx, n, k, block, nf, ws, wsb, nt);
+        py::gil_scoped_release nogil;
+        pyasync::encode_cpu(p);
+      },
+      PYASYNC_ENCODE_ARGS);
+  m.def(
+      "decode_cpu",
+      [](int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k, int32_t block, addr out,
+         float alpha, bool acc, int32_t nt) {
+        const auto p = decode_params(codec, codes, scales, idx, n, k, block, out, alpha, acc, nt);
+        py::gil_scoped_release nogil;
+        pyasync::decode_cpu(p);
+      },
+      PYASYNC_DECODE_ARGS);
+  m.def(
+      "apply_cpu",
+      [](int32_t codec, addr codes, addr scales, int64_t n, int32_t block, float gs, addr dense, float ds,
+         addr param, addr s1, addr s2, const py::dict& opt, int32_t nt) {
+        const auto p = apply_params(codec, codes, scales, n, block, gs, dense, ds, param, s1, s2, opt, nt);
+        py::gil_scoped_release nogil;
+        pyasync::apply_cpu(p);
+      },
+      PYASYNC_APPLY_ARGS);
+
+#if defined(PYASYNC_WITH_CUDA)
+  // ---- CUDA: same arguments plus the stream handle (torch.cuda.current_stream().cuda_stream)
+  m.def(
+      "flatten_cuda",
+      [](const std::vector<uint64_t>& srcs, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
+         int32_t sd, int32_t dd, addr bucket, float scale, addr nonfinite, int32_t nt, addr stream) {
+        const auto p = flatten_params(srcs, numels, offsets, sd, dd, bucket, scale, nonfinite, nt);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        pyasync::flatten_cuda(p, s);
+      },
+      PYASYNC_FLATTEN_ARGS, py::arg("stream"));
+  m.def(
+      "unflatten_cuda",
+      [](const std::vector<uint64_t>& dsts, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
+         int32_t sd, int32_t dd, addr src, int64_t begin, int64_t end, int32_t nt, addr stream) {
+        const auto p = unflatten_params(dsts, numels, offsets, sd, dd, src, begin, end, nt);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        pyasync::unflatten_cuda(p, s);
+      },
+      PYASYNC_UNFLATTEN_ARGS, py::arg("stream"));
+  m.def(
+      "encode_cuda",
+      [](addr g, addr ri, addr ro, int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k,
+         int32_t block, addr nf, addr ws, int64_t wsb, int32_t nt, addr stream) {
+        const auto p = encode_params(g, ri, ro, codec, codes, scales, idx, n, k, block, nf, ws, wsb, nt);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        pyasync::encode_cuda(p, s);
+      },
+      PYASYNC_ENCODE_ARGS, py::arg("stream"));
+  m.def(
+      "decode_cuda",
+      [](int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k, int32_t block, addr out,
+         float alpha, bool acc, int32_t nt, addr stream) {
+        const auto p = decode_params(codec, codes, scales, idx, n, k, block, out, alpha, acc, nt);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        pyasync::decode_cuda(p, s);
+      },
+      PYASYNC_DECODE_ARGS, py::arg("stream"));
+  m.def(
+      "apply_cuda",
+      [](int32_t codec, addr codes, addr scales, int64_t n, int32_t block, float gs, addr dense, float ds,
+         addr param, addr s1, addr s2, const py::dict& opt, int32_t nt, addr stream) {
+        const auto p = apply_params(codec, codes, scales, n, block, gs, dense, ds, param, s1, s2, opt, nt);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        pyasync::apply_cuda(p, s);
+      },
+      PYASYNC_APPLY_ARGS, py::arg("stream"));
+#endif
+}
