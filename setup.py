@@ -3,6 +3,7 @@
 Environment variables mapped to CMake options:
   PYASYNC_WITH_CUDA   AUTO (default) | ON | OFF
   PYASYNC_CUDA_ARCHS  CUDA architectures, default "80;90" ("native" builds for the local GPU)
+  PYASYNC_CPU_ARCH    -march for the CPU kernels, default "native" ("" for the compiler's baseline)
   PYASYNC_SANITIZE    1 to build with AddressSanitizer + UndefinedBehaviorSanitizer
   PYASYNC_BUILD_TYPE  Release (default) | Debug | RelWithDebInfo
   CMAKE_BUILD_PARALLEL_LEVEL  parallel compile jobs (Ninja's default otherwise)
@@ -39,6 +40,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={env.get('PYASYNC_BUILD_TYPE', 'Release')}",
             f"-DPYASYNC_WITH_CUDA={env.get('PYASYNC_WITH_CUDA', 'AUTO')}",
             f"-DPYASYNC_CUDA_ARCHS={env.get('PYASYNC_CUDA_ARCHS', '80;90')}",
+            f"-DPYASYNC_CPU_ARCH={env.get('PYASYNC_CPU_ARCH', 'native')}",
             f"-DPYASYNC_SANITIZE={'ON' if env.get('PYASYNC_SANITIZE', '0') not in ('', '0') else 'OFF'}",
             "-G",
             "Ninja",
