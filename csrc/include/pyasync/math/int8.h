@@ -23,11 +23,14 @@ namespace math {
 
 PYASYNC_HOST_DEVICE float int8_scale(float absmax) { return absmax / 127.0f; }
 
+// No early return and no ?: around the division, so CPU loops vectorise (gcc would sink the division
+// into a branch that -ftrapping-math then forbids it to if-convert).
 PYASYNC_HOST_DEVICE int8_t int8_quantize(float v, float scale) {
-  if (!(scale > 0.0f) || !is_finite(v)) return 0;
   float r = rintf(v / scale);
   r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-  return static_cast<int8_t>(r);
+  // Keep r only where scale > 0 and v is finite; this also clears the NaN of v / 0 before the cast.
+  const uint32_t keep = 0u - static_cast<uint32_t>((scale > 0.0f) & is_finite(v));
+  return static_cast<int8_t>(bits_float(float_bits(r) & keep));
 }
 
 PYASYNC_HOST_DEVICE float int8_dequantize(int8_t q, float scale) { return static_cast<float>(q) * scale; }

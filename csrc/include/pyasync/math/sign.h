@@ -19,7 +19,8 @@ namespace math {
 // block), so n elements take ceil(n / 8) bytes. The sum's order differs between CPU, GPU and torch,
 // so scales agree to a tolerance; the bits are exact.
 
-PYASYNC_HOST_DEVICE bool sign_bit(float v) { return !(v < 0.0f); }
+// NaN, +-Inf encode as 1 (as the Note says); -0.0 is >= 0.
+PYASYNC_HOST_DEVICE bool sign_bit(float v) { return !(v < 0.0f) || !is_finite(v); }
 
 PYASYNC_HOST_DEVICE float sign_abs_term(float v) { return is_finite(v) ? fabsf(v) : 0.0f; }
 

@@ -1,0 +1,327 @@
+"""Gradient compressors with error feedback: the ``compression=`` argument of DistributedOptimizer.
+
+    NoCompression()                      fp32, 4 bytes / element
+    FP16(error_feedback=True)            2 bytes / element
+    BF16(error_feedback=True)            2 bytes / element
+    Int8(block=256, error_feedback=True) 1 byte / element + a 4-byte scale per block
+    Sign(block=256, error_feedback=True) 1 bit / element + a 4-byte scale per block
+    TopK(ratio=0.01, error_feedback=True) the ceil(ratio * n) largest |v|: 8 bytes each
+
+A lossy compressor with error feedback keeps, per slot ``key`` (the engine uses ``(bucket, shard)``),
+the residual ``e`` of what it could not send, and encodes ``v = g + e`` the next time, so that
+
+    decompress(compress(g + e_old)) + e_new == g + e_old        (up to float rounding)
+
+and over many steps the sum of what was sent equals the sum of the gradients minus the last residual.
+Residuals are double-buffered: an encode writes the spare buffer, and the buffers swap only when the
+payload is finite. A step with a NaN/Inf gradient gives ``payload.finite == False`` (the caller drops
+the payload) and leaves the residual exactly as it was.
+
+The kernels are in :mod:`pyasync.ops.codecs`; their pure-torch specification is
+:mod:`pyasync.reference.codecs`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Hashable, Optional, Union
+
+import torch
+
+from pyasync.ops import codecs as _codecs
+from pyasync.ops._common import Payload
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "Compressor",
+    "Int8",
+    "NoCompression",
+    "Sign",
+    "TopK",
+    "from_spec",
+]
+
+
+def _check_bool(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(v).__name__} ({v!r})")
+    return v
+
+
+def _check_block(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"block must be an int (elements per scale), got {type(v).__name__} ({v!r})")
+    if not 1 <= v <= _codecs.MAX_BLOCK:
+        raise ValueError(f"block must be in [1, {_codecs.MAX_BLOCK}] elements, got {v}")
+    return v
+
+
+def _check_ratio(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"ratio must be a float in (0, 1] (the fraction kept), got {type(v).__name__}")
+    v = float(v)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1] (the fraction of elements kept), got {v!r}")
+    return v
+
+
+class Compressor:
+    """Base class: encodes fp32 tensors into :class:`~pyasync.ops._common.Payload` objects, keeping
+    one error-feedback residual per key. Subclasses set ``name`` (the codec) and the codec arguments."""
+
+    name: str = "none"
+    lossy: bool = True
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        if type(self) is Compressor:
+            raise TypeError("Compressor is a base class; use NoCompression, FP16, BF16, Int8, Sign or TopK")
+        self.error_feedback = _check_bool("error_feedback", error_feedback) and self.lossy
+        # key -> [current residual, spare buffer]; see the module docstring.
+        self._residuals: dict[Hashable, list[torch.Tensor]] = {}
+
+    # -- codec arguments -------------------------------------------------------------------------
+    def _args(self) -> dict[str, Any]:
+        """Codec-specific spec arguments, in canonical order (before ef)."""
+        return {}
+
+    def _encode_kwargs(self, n: int) -> dict[str, int]:
+        """block / k for ops.codecs.encode on n elements."""
+        return {}
+
+    # -- public API ------------------------------------------------------------------------------
+    def spec(self) -> str:
+        """Canonical description, e.g. ``"int8(block=256,ef=1)"``; ranks compare it, and
+        :func:`from_spec` turns it back into an equal compressor."""
+        if not self.lossy:
+            return self.name
+        args = [f"{k}={v!r}" for k, v in self._args().items()] + [f"ef={int(self.error_feedback)}"]
+        return f"{self.name}({','.join(args)})"
+
+    def wire_bytes(self, n: int) -> int:
+        """Bytes of the payload tensors for n elements (headers aside)."""
+        return _codecs.payload_nbytes(self.name, n, **self._encode_kwargs(n))
+
+    def ratio(self, n: Optional[int] = None) -> float:
+        """Compressed bytes / fp32 bytes: for n elements, or for large n when n is None."""
+        if n is None:
+            n = 1 << 24
+        return self.wire_bytes(n) / (4.0 * n)
+
+    def compress(self, tensor: torch.Tensor, key: Hashable = None) -> Payload:
+        """Encode `tensor` (contiguous fp32, any shape; n elements) plus the residual of slot `key`.
+
+        The residual of `key` is created on first use (zeros, the tensor's size and device); a later
+        call with a different element count for the same key is an error. Returns the payload;
+        ``payload.finite`` is False when the tensor held NaN/Inf (drop it: the residual is unchanged).
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"tensor must be float32, got {tensor.dtype}; convert it with .float() first")
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous; call .contiguous() first")
+        flat = tensor.view(-1)
+        n = flat.numel()
+        kwargs = self._encode_kwargs(n) if n > 0 else {}
+        if n == 0 and self.name == "topk":
+            raise ValueError("TopK cannot compress an empty tensor (it keeps at least one element)")
+        if not self.error_feedback:
+            return _codecs.encode(self.name, flat, **kwargs)
+        cur, spare = self._slot(key, flat)
+        payload = _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, **kwargs)
+        if payload.finite:
+            self._residuals[key] = [spare, cur]
+        return payload
+
+    def decompress(self, payload: Payload, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 values a payload stands for: a new 1-D tensor, or written into `out` (contiguous
+        fp32 with payload.n elements, on the payload's device)."""
+        if isinstance(payload, Payload) and payload.codec != self.name:
+            raise ValueError(f"payload has codec {payload.codec!r} but this compressor is {self.spec()!r}")
+        return _codecs.decode(payload, out=out)
+
+    def residual(self, key: Hashable = None) -> Optional[torch.Tensor]:
+        """The current residual of slot `key` (a live buffer: do not modify), or None."""
+        slot = self._residuals.get(key)
+        return None if slot is None else slot[0]
+
+    def state_dict(self) -> dict[Hashable, torch.Tensor]:
+        """The residuals by key (copies), for checkpoints."""
+        return {k: v[0].detach().clone() for k, v in self._residuals.items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Replace every residual by those of `state_dict` (from :meth:`state_dict`)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict of residual tensors, got {type(state_dict).__name__}")
+        loaded: dict[Hashable, list[torch.Tensor]] = {}
+        for k, v in state_dict.items():
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+                got = getattr(v, "dtype", type(v).__name__)
+                raise TypeError(f"state_dict[{k!r}] must be a float32 tensor, got {got}")
+            if v.numel() and not self.error_feedback:
+                raise ValueError(f"{self.spec()} keeps no residuals but state_dict holds one for {k!r}")
+            cur = v.detach().reshape(-1).clone()
+            loaded[k] = [cur, torch.empty_like(cur)]
+        self._residuals = loaded
+
+    def reset(self) -> None:
+        """Forget every residual (they start again from zero)."""
+        self._residuals.clear()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _slot(self, key: Hashable, flat: torch.Tensor) -> list[torch.Tensor]:
+        slot = self._residuals.get(key)
+        n = flat.numel()
+        if slot is None:
+            slot = [torch.zeros(n, dtype=torch.float32, device=flat.device),
+                    torch.empty(n, dtype=torch.float32, device=flat.device)]
+            self._residuals[key] = slot
+        elif slot[0].numel() != n:
+            raise ValueError(
+                f"error-feedback slot {key!r} holds {slot[0].numel()} elements but the tensor has {n}: use a "
+                "distinct key per tensor slice, or reset() the compressor when the model changes"
+            )
+        elif slot[0].device != flat.device:  # e.g. loaded from a CPU checkpoint, now training on a GPU
+            slot = [slot[0].to(flat.device), torch.empty(n, dtype=torch.float32, device=flat.device)]
+            self._residuals[key] = slot
+        return slot
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}<{self.spec()}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Compressor) and other.spec() == self.spec()
+
+    def __hash__(self) -> int:
+        return hash(self.spec())
+
+
+class NoCompression(Compressor):
+    """Raw fp32 (lossless; still flags NaN/Inf)."""
+
+    name = "none"
+    lossy = False
+
+    def __init__(self) -> None:
+        super().__init__(error_feedback=False)
+
+
+class FP16(Compressor):
+    """IEEE fp16 cast, round to nearest even (values past 65504 flag the payload as non-finite)."""
+
+    name = "fp16"
+
+
+class BF16(Compressor):
+    """bfloat16 cast, round to nearest even."""
+
+    name = "bf16"
+
+
+class Int8(Compressor):
+    """Blockwise absmax int8: codes in [-127, 127] and one fp32 scale per `block` elements."""
+
+    name = "int8"
+
+    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
+        self.block = _check_block(block)
+        super().__init__(error_feedback=error_feedback)
+
+    def _args(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def _encode_kwargs(self, n: int) -> dict[str, int]:
+        return {"block": self.block}
+
+
+class Sign(Compressor):
+    """1 bit per element (the sign) and one fp32 scale (mean |v|) per `block` elements."""
+
+    name = "sign"
+
+    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
+        self.block = _check_block(block)
+        super().__init__(error_feedback=error_feedback)
+
+    def _args(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def _encode_kwargs(self, n: int) -> dict[str, int]:
+        return {"block": self.block}
+
+
+class TopK(Compressor):
+    """The ``k = min(n, max(1, ceil(ratio * n)))`` elements of largest |v|, as int32 indices + fp32
+    values. ``topk_ratio`` is the kept fraction; :meth:`ratio` is the byte ratio as for every codec."""
+
+    name = "topk"
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True) -> None:
+        self.topk_ratio = _check_ratio(ratio)
+        super().__init__(error_feedback=error_feedback)
+
+    def _args(self) -> dict[str, Any]:
+        return {"ratio": self.topk_ratio}
+
+    def _encode_kwargs(self, n: int) -> dict[str, int]:
+        return {"k": _codecs.topk_count(n, self.topk_ratio)}
+
+
+_CLASSES: dict[str, type] = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "sign": Sign,
+                             "topk": TopK}
+_SHORT_ARG = {"int8": "block", "sign": "block", "topk": "ratio"}  # the X of "name:X"
+_SPEC_RE = re.compile(r"^([a-z0-9]+)\((.*)\)$")
+_SPEC_HELP = (
+    "use a Compressor, None, or one of 'none', 'fp16', 'bf16', 'int8', 'int8:BLOCK', 'sign', "
+    "'sign:BLOCK', 'topk', 'topk:RATIO', or a spec() string such as 'int8(block=256,ef=1)'"
+)
+
+
+def _parse_value(name: str, key: str, text: str) -> Union[int, float, bool]:
+    try:
+        if key == "ratio":
+            return float(text)
+        if key == "block":
+            return int(text)
+        if key == "ef" and text in ("0", "1"):
+            return text == "1"
+    except ValueError:
+        pass
+    raise ValueError(f"compression spec for {name!r}: bad value {text!r} for {key!r}; {_SPEC_HELP}")
+
+
+def from_spec(x: Union[Compressor, str, None]) -> Compressor:
+    """A compressor from a Compressor (returned as is), None (NoCompression) or a string."""
+    if x is None:
+        return NoCompression()
+    if isinstance(x, Compressor):
+        return x
+    if not isinstance(x, str):
+        raise TypeError(
+            f"compression must be a Compressor, None or a str, got {type(x).__name__}; {_SPEC_HELP}")
+    s = x.strip().lower()
+    kwargs: dict[str, Any] = {}
+    m = _SPEC_RE.match(s)
+    if m:
+        name, body = m.group(1), m.group(2)
+        if name not in _CLASSES:
+            raise ValueError(f"unknown compression {x!r}; {_SPEC_HELP}")
+        allowed = set() if name == "none" else ({_SHORT_ARG[name]} if name in _SHORT_ARG else set()) | {"ef"}
+        for part in filter(None, body.split(",")):
+            key, eq, val = part.partition("=")
+            key = key.strip()
+            if not eq or key not in allowed or key in kwargs:
+                raise ValueError(f"compression spec {x!r}: unexpected argument {part!r}; {_SPEC_HELP}")
+            kwargs[key] = _parse_value(name, key, val.strip())
+    else:
+        name, colon, arg = s.partition(":")
+        if name not in _CLASSES:
+            raise ValueError(f"unknown compression {x!r}; {_SPEC_HELP}")
+        if colon:
+            if name not in _SHORT_ARG:
+                raise ValueError(f"compression {name!r} takes no argument, got {x!r}; {_SPEC_HELP}")
+            kwargs[_SHORT_ARG[name]] = _parse_value(name, _SHORT_ARG[name], arg.strip())
+    if "ef" in kwargs:
+        kwargs["error_feedback"] = kwargs.pop("ef")
+    return _CLASSES[name](**kwargs)

@@ -1,0 +1,336 @@
+"""Gradient codecs: encode with error feedback, decode with scale and accumulate.
+
+Torch-facing wrappers of ``encode_{cpu,cuda}`` / ``decode_{cpu,cuda}`` in the core: they validate
+every argument (a payload may come from the network, so a malformed one is a clear error, never an
+out-of-bounds access), allocate what the caller did not pass, and launch on the tensors' device (on
+CUDA: on the current stream). The pure-torch twin is :mod:`pyasync.reference.codecs`.
+
+Codecs (see ``Codec`` in csrc/include/pyasync/common.h and the Notes in csrc/include/pyasync/math):
+  "none"  fp32 copy (plus the non-finite check)        4 bytes / element
+  "fp16"  fp16 cast, round to nearest even              2 bytes / element
+  "bf16"  bf16 cast, round to nearest even              2 bytes / element
+  "int8"  blockwise absmax int8, fp32 scale per block   1 byte / element + 4 bytes / block
+  "sign"  1 bit per element, fp32 mean|v| per block     1/8 byte / element + 4 bytes / block
+  "topk"  k largest |v|: int32 indices + fp32 values    8 bytes / kept element
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from pyasync.ops._common import CODEC_IDS, Payload, addr, check_num_threads, check_tensor, launch
+
+__all__ = [
+    "CODECS",
+    "MAX_BLOCK",
+    "check_payload",
+    "decode",
+    "empty_payload",
+    "encode",
+    "payload_nbytes",
+    "topk_count",
+]
+
+CODECS = tuple(CODEC_IDS)  # valid codec names, in id order
+BLOCK_CODECS = ("int8", "sign")  # codecs with a per-block scale
+MAX_BLOCK = 1 << 20  # largest block (elements) accepted: one scale per at most 1 Mi elements
+MAX_ELEMENTS = (1 << 31) - 1  # top-k indices are int32; other codecs take any int64 size
+
+_CODE_DTYPES = {
+    "none": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "sign": torch.uint8,
+    "topk": torch.float32,
+}
+
+DeviceLike = Union[torch.device, str, int, None]
+
+
+def _check_codec(codec: str) -> str:
+    if not isinstance(codec, str):
+        raise TypeError(f"codec must be a str, one of {list(CODECS)}; got {type(codec).__name__}")
+    if codec not in CODEC_IDS:
+        raise ValueError(f"codec must be one of {list(CODECS)}, got {codec!r}")
+    return codec
+
+
+def _check_int(name: str, v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
+    return v
+
+
+def _check_block(block: object) -> int:
+    block = _check_int("block", block)
+    if not 1 <= block <= MAX_BLOCK:
+        raise ValueError(f"block must be in [1, {MAX_BLOCK}] elements, got {block}")
+    return block
+
+
+def _check_k(k: object, n: int) -> int:
+    k = _check_int("k", k)
+    if n < 1:
+        raise ValueError("top-k needs a non-empty tensor (n >= 1)")
+    if n > MAX_ELEMENTS:
+        raise ValueError(f"top-k indices are int32: n must be <= {MAX_ELEMENTS}, got {n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, n={n}] for codec 'topk', got {k} (see topk_count(n, ratio))")
+    return k
+
+
+def topk_count(n: int, ratio: float) -> int:
+    """Elements top-k keeps of `n`: ``min(n, max(1, ceil(ratio * n)))``, for ``0 < ratio <= 1``."""
+    n = _check_int("n", n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1 elements, got {n}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"ratio must be a float in (0, 1], got {type(ratio).__name__}")
+    if not (0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+def payload_nbytes(codec: str, n: int, *, block: int = 256, k: int = 0) -> int:
+    """Bytes of the payload tensors for `n` elements (what goes on the wire, headers aside)."""
+    codec = _check_codec(codec)
+    n = _check_int("n", n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0 elements, got {n}")
+    if codec == "none":
+        return 4 * n
+    if codec in ("fp16", "bf16"):
+        return 2 * n
+    if codec == "topk":
+        return 8 * _check_k(k, n)
+    block = _check_block(block)
+    nblocks = -(-n // block)
+    return (n if codec == "int8" else -(-n // 8)) + 4 * nblocks
+
+
+def _shapes(codec: str, n: int, block: int, k: int) -> tuple[int, int, int]:
+    """(code elements, scale elements, index elements) of a payload."""
+    if codec in ("none", "fp16", "bf16"):
+        return n, 0, 0
+    if codec == "int8":
+        return n, -(-n // block), 0
+    if codec == "sign":
+        return -(-n // 8), -(-n // block), 0
+    return k, 0, k
+
+
+def empty_payload(codec: str, n: int, *, device: DeviceLike = "cpu", block: int = 256, k: int = 0) -> Payload:
+    """An uninitialised payload for `n` elements on `device` (block: elements per scale for int8/sign;
+    k: kept elements for topk)."""
+    codec = _check_codec(codec)
+    n = _check_int("n", n)
+    if n < 0:
+        raise ValueError(f"n must be >= 0 elements, got {n}")
+    device = torch.device("cpu" if device is None else device)
+    block = _check_block(block) if codec in BLOCK_CODECS else 0
+    k = _check_k(k, n) if codec == "topk" else 0
+    nc, ns, ni = _shapes(codec, n, block, k)
+    codes = torch.empty(nc, dtype=_CODE_DTYPES[codec], device=device)
+    scales = torch.empty(ns, dtype=torch.float32, device=device) if codec in BLOCK_CODECS else None
+    indices = torch.empty(ni, dtype=torch.int32, device=device) if codec == "topk" else None
+    return Payload(codec=codec, n=n, codes=codes, scales=scales, indices=indices, k=k, block=block)
+
+
+def check_payload(
+    payload: Payload,
+    *,
+    name: str = "payload",
+    codec: Optional[str] = None,
+    n: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> None:
+    """Raise TypeError/ValueError unless `payload` is well formed: a known codec, tensors of the right
+    dtype, device, contiguity and size for its n / block / k (and, when given, the expected codec,
+    element count and device). Top-k index values are checked by :func:`decode`."""
+    if not isinstance(payload, Payload):
+        raise TypeError(f"{name} must be a pyasync Payload, got {type(payload).__name__}")
+    c = payload.codec
+    if not isinstance(c, str) or c not in CODEC_IDS:
+        raise ValueError(f"{name}.codec must be one of {list(CODECS)}, got {c!r}")
+    if codec is not None and c != codec:
+        raise ValueError(f"{name} has codec {c!r} but {codec!r} was expected")
+    pn = payload.n
+    if not isinstance(pn, int) or isinstance(pn, bool) or pn < 0:
+        raise ValueError(f"{name}.n must be an int >= 0, got {pn!r}")
+    if n is not None and pn != n:
+        raise ValueError(f"{name} holds {pn} elements but {n} were expected")
+    if c in BLOCK_CODECS:
+        b = payload.block
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= MAX_BLOCK:
+            raise ValueError(f"{name}.block must be an int in [1, {MAX_BLOCK}] for codec {c!r}, got {b!r}")
+    if c == "topk":
+        pk = payload.k
+        if not isinstance(pk, int) or isinstance(pk, bool) or not 1 <= pk <= pn or pn > MAX_ELEMENTS:
+            raise ValueError(f"{name}.k must be an int in [1, n={pn}] for codec 'topk', got {pk!r}")
+    block = payload.block if c in BLOCK_CODECS else 0
+    k = payload.k if c == "topk" else 0
+    nc, ns, ni = _shapes(c, pn, block, k)
+    check_tensor(f"{name}.codes", payload.codes, dtype=_CODE_DTYPES[c], device=device, numel=nc)
+    dev = payload.codes.device
+    if c in BLOCK_CODECS:
+        if payload.scales is None:
+            raise ValueError(f"{name}.scales is missing: codec {c!r} needs ceil(n/block) = {ns} fp32 scales")
+        check_tensor(f"{name}.scales", payload.scales, dtype=torch.float32, device=dev, numel=ns)
+    if c == "topk":
+        if payload.indices is None:
+            raise ValueError(f"{name}.indices is missing: codec 'topk' needs k = {ni} int32 indices")
+        check_tensor(f"{name}.indices", payload.indices, dtype=torch.int32, device=dev, numel=ni)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def encode(
+    codec: str,
+    grad: torch.Tensor,
+    *,
+    residual_in: Optional[torch.Tensor] = None,
+    residual_out: Optional[torch.Tensor] = None,
+    block: int = 256,
+    k: int = 0,
+    out: Optional[Payload] = None,
+    nonfinite: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> Payload:
+    """Encode ``v = grad + residual_in`` with `codec`; with error feedback write
+    ``residual_out = v - decode(payload)``.
+
+    grad: contiguous 1-D fp32 (n elements). residual_in: n fp32, or None for no error feedback.
+    residual_out: n fp32 (may be residual_in itself, for in-place), None to not write a residual.
+    block: elements per scale (int8, sign). k: kept elements (topk; see :func:`topk_count`).
+    out: a payload to fill (from :func:`empty_payload`), else one is allocated.
+    nonfinite: an int32 flag tensor the kernel sets to 1 when grad holds NaN/Inf (it is never
+    cleared: pass a zeroed one); else a fresh flag is used. Where an element is non-finite, its
+    residual keeps residual_in. ``payload.finite`` is read from the flag (one small host sync on
+    CUDA). num_threads: CPU threads (None: the default).
+    """
+    codec = _check_codec(codec)
+    check_tensor("grad", grad, dtype=torch.float32)
+    if grad.dim() != 1:
+        raise ValueError(f"grad must be 1-D (flatten it first), got shape {tuple(grad.shape)}")
+    n = grad.numel()
+    device = grad.device
+    if residual_in is not None:
+        check_tensor("residual_in", residual_in, dtype=torch.float32, device=device, numel=n)
+    if residual_out is not None:
+        if residual_in is None:
+            raise ValueError("residual_out needs residual_in (error feedback reads the old residual)")
+        check_tensor("residual_out", residual_out, dtype=torch.float32, device=device, numel=n)
+        if n > 0:
+            if _overlaps(residual_out, grad):
+                raise ValueError("residual_out must not overlap grad")
+            if residual_out.data_ptr() != residual_in.data_ptr() and _overlaps(residual_out, residual_in):
+                raise ValueError("residual_out must be residual_in itself (in place) or not overlap it")
+    block = _check_block(block) if codec in BLOCK_CODECS else 0
+    k = _check_k(k, n) if codec == "topk" else 0
+    nt = check_num_threads(num_threads)
+    if out is None:
+        out = empty_payload(codec, n, device=device, block=block if block else 256, k=k)
+    else:
+        check_payload(out, name="out", codec=codec, n=n, device=device)
+        if codec in BLOCK_CODECS and out.block != block:
+            raise ValueError(f"out.block is {out.block} but block={block} was asked for")
+        if codec == "topk" and out.k != k:
+            raise ValueError(f"out.k is {out.k} but k={k} was asked for")
+    if nonfinite is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        check_tensor("nonfinite", nonfinite, dtype=torch.int32, device=device)
+        if nonfinite.numel() < 1:
+            raise ValueError("nonfinite must hold at least one int32 element")
+        flag = nonfinite
+    if n == 0:
+        out.finite = not bool(flag[0].item())
+        return out
+    workspace, ws_bytes = None, 0
+    if codec == "topk" and device.type == "cuda":
+        from pyasync import _ext  # noqa: PLC0415
+
+        ws_bytes = int(_ext.C().topk_workspace_bytes(n, k))
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+    launch(
+        "encode",
+        device,
+        grad=addr(grad),
+        residual_in=addr(residual_in),
+        residual_out=addr(residual_out),
+        codec=CODEC_IDS[codec],
+        codes=addr(out.codes),
+        scales=addr(out.scales),
+        indices=addr(out.indices),
+        n=n,
+        k=out.k,
+        block=out.block,
+        nonfinite=addr(flag),
+        workspace=addr(workspace),
+        workspace_bytes=ws_bytes,
+        num_threads=nt,
+    )
+    out.finite = not bool(flag[0].item())
+    return out
+
+
+def decode(
+    payload: Payload,
+    *,
+    out: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    accumulate: bool = False,
+    num_threads: Optional[int] = None,
+) -> torch.Tensor:
+    """``out = (out if accumulate else 0) + alpha * decode(payload)``; returns out (n fp32).
+
+    out: n contiguous fp32 on the payload's device; None allocates one (then accumulate adds to
+    zeros). Top-k indices must lie in [0, n) and ascend strictly: checked on CPU; on CUDA (no host
+    sync) the kernel skips out-of-range indices instead of touching memory outside out.
+    """
+    check_payload(payload)
+    device = payload.device
+    n = payload.n
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a float, got {type(alpha).__name__}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    nt = check_num_threads(num_threads)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32, device=device)
+        if accumulate:
+            out.zero_()
+    else:
+        check_tensor("out", out, dtype=torch.float32, device=device, numel=n)
+    if payload.codec == "topk" and device.type == "cpu":
+        idx = payload.indices
+        if int(idx[0]) < 0 or int(idx[-1]) >= n:
+            lo, hi = int(idx.min()), int(idx.max())
+            raise ValueError(f"payload.indices must lie in [0, n={n}); got values in [{lo}, {hi}]")
+        if payload.k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError("payload.indices must be strictly ascending (a corrupt top-k payload?)")
+    if n == 0:
+        return out
+    launch(
+        "decode",
+        device,
+        codec=CODEC_IDS[payload.codec],
+        codes=addr(payload.codes),
+        scales=addr(payload.scales),
+        indices=addr(payload.indices),
+        n=n,
+        k=payload.k,
+        block=payload.block,
+        out=addr(out),
+        alpha=float(alpha),
+        accumulate=accumulate,
+        num_threads=nt,
+    )
+    return out
