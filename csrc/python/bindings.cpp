@@ -113,6 +113,12 @@ pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_
   o.decoupled_weight_decay = b("decoupled_weight_decay");
   o.step_size = f("step_size", 0.0f);
   o.bias_correction2_sqrt = f("bias_correction2_sqrt", 1.0f);
+  // torch rounds these from Python doubles: 1 - 0.999 in double differs from 1.0f - 0.999f by 1e-5.
+  auto d = [&](const char* key, double dflt) { return opt.contains(key) ? opt[key].cast<double>() : dflt; };
+  o.one_minus_dampening = static_cast<float>(1.0 - d("dampening", 0.0));
+  o.one_minus_beta1 = static_cast<float>(1.0 - d("beta1", 0.9));
+  o.one_minus_beta2 = static_cast<float>(1.0 - d("beta2", 0.999));
+  o.decay_factor = static_cast<float>(1.0 - d("lr", 0.0) * d("weight_decay", 0.0));
   if (o.kind == pyasync::OptimKind::kSGD && o.momentum != 0.0f)
     PYASYNC_CHECK_ARG(state1 != 0, "SGD with momentum needs a momentum buffer (state1)");
   if (o.kind == pyasync::OptimKind::kAdam) PYASYNC_CHECK_ARG(state1 != 0 && state2 != 0, "Adam needs state1 and state2");

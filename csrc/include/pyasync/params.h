@@ -102,6 +102,11 @@ struct OptimParams {
   bool decoupled_weight_decay;  // AdamW
   float step_size;              // lr / (1 - beta1^step), computed on the host in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed on the host in double
+  // Derived scalars torch.optim computes in Python double before rounding to fp32 (bindings fill them)
+  float one_minus_dampening;    // SGD: 1 - dampening
+  float one_minus_beta1;        // Adam: 1 - beta1 (the lerp weight)
+  float one_minus_beta2;        // Adam: 1 - beta2 (the addcmul value)
+  float decay_factor;           // AdamW: 1 - lr * weight_decay
 };
 
 // One optimizer step on an fp32 shard from g = dense_scale * dense + grad_scale * decode(grad).

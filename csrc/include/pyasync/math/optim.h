@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "pyasync/common.h"
+#include "pyasync/math/feedback.h"  // mul_rn
 #include "pyasync/params.h"
 
 namespace pyasync {
@@ -15,33 +16,55 @@ namespace math {
 //   g = dense_scale * dense_i + grad_scale * decode(payload)_i     (either term may be absent)
 // then the step below, written to follow torch.optim's single-tensor code line by line so the
 // result agrees with torch.optim.SGD / Adam / AdamW element-wise (tests check 10+ steps).
-// Scalars that depend only on the step (bias corrections) are computed once on the host in double
-// and passed in OptimParams, as torch does.
+// Scalars that depend only on the step (bias corrections) or on the hyperparameters (1 - beta,
+// 1 - dampening, 1 - lr * weight_decay) are computed once on the host in double and passed in
+// OptimParams, as torch does. Rounding follows eager torch's CPU kernels: where they use a fused
+// multiply-add (Vectorized::fmadd in `add(x, alpha=a)` and `lerp`; addcmul's `self + value*t1*t2`
+// as GCC contracts it), so does fma_torch below, on hardware that has one (torch's scalar fallback
+// without FMA rounds twice, and so do we); every other operation is one IEEE operation in torch's
+// order, never contracted (-ffp-contract=off). SGD then matches torch.optim.SGD bit for bit on FMA
+// CPUs. Adam matches to about an ulp: torch's CPU sqrt is not correctly rounded (some 16% of its
+// results are 1 ulp off sqrtf on AVX-512), ours is, on the CPU and on CUDA alike.
+
+// a * b + c rounded once where the hardware has FMA (CUDA; CPUs built with FMA), else twice.
+PYASYNC_HOST_DEVICE float fma_torch(float a, float b, float c) {
+#if defined(__CUDA_ARCH__) || defined(__FMA__)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 
 // torch.optim.SGD: weight decay, momentum (buffer = grad on the first step), dampening, nesterov.
 PYASYNC_HOST_DEVICE void sgd_step(const OptimParams& o, float g, float& p, float* buf) {
   if (o.maximize) g = -g;
-  if (o.weight_decay != 0.0f) g = g + o.weight_decay * p;
+  if (o.weight_decay != 0.0f) g = fma_torch(p, o.weight_decay, g);  // grad.add(param, alpha=wd)
   if (o.momentum != 0.0f) {
-    float b = o.first_step ? g : *buf * o.momentum + g * (1.0f - o.dampening);
+    // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+    const float b = o.first_step ? g : fma_torch(g, o.one_minus_dampening, *buf * o.momentum);
     *buf = b;
-    g = o.nesterov ? g + o.momentum * b : b;
+    g = o.nesterov ? fma_torch(b, o.momentum, g) : b;  // grad.add(buf, alpha=momentum)
   }
-  p = p + g * (-o.lr);
+  p = fma_torch(g, -o.lr, p);  // param.add_(grad, alpha=-lr)
 }
 
 // torch.optim.Adam (L2 weight decay) and AdamW (decoupled weight decay), amsgrad=False.
 PYASYNC_HOST_DEVICE void adam_step(const OptimParams& o, float g, float& p, float& m, float& v) {
   if (o.maximize) g = -g;
   if (o.decoupled_weight_decay) {
-    p = p * (1.0f - o.lr * o.weight_decay);
+    p = mul_rn(p, o.decay_factor);  // param.mul_(1 - lr * weight_decay)
   } else if (o.weight_decay != 0.0f) {
-    g = g + o.weight_decay * p;
+    g = fma_torch(p, o.weight_decay, g);  // grad.add(param, alpha=weight_decay)
   }
-  m = m + (g - m) * (1.0f - o.beta1);  // lerp
-  v = v * o.beta2 + g * g * (1.0f - o.beta2);
+  // exp_avg.lerp_(grad, 1 - beta1), as torch's lerp: from the nearer end by the smaller weight
+  const float w = o.one_minus_beta1;
+  const float diff = g - m;
+  m = fabsf(w) < 0.5f ? fma_torch(w, diff, m) : fma_torch(w - 1.0f, diff, g);
+  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+  v = fma_torch(o.one_minus_beta2 * g, g, v * o.beta2);
+  // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps); param.addcdiv_(m, denom, -step_size)
   const float denom = sqrtf(v) / o.bias_correction2_sqrt + o.eps;
-  p = p + (m / denom) * (-o.step_size);
+  p = p + (-o.step_size) * m / denom;
 }
 
 PYASYNC_HOST_DEVICE void optim_step(const OptimParams& o, float g, float& p, float* s1, float* s2) {

@@ -1,0 +1,288 @@
+"""Apply-to-shard: one fused decode + optimizer step (SGD / Adam / AdamW) on an fp32 master shard.
+
+An owner turns a push (or the sum of several) into one optimizer update of its shard, reading the
+encoded payload directly: per element ``g = dense_scale * dense + grad_scale * decode(payload)``, then
+the torch.optim step (see Note [Fused apply] in csrc/include/pyasync/math/optim.h). Codecs none, fp16,
+bf16, int8 and sign are decoded inside the kernel; top-k is first scattered into a dense fp32 scratch
+(:func:`pyasync.ops.codecs.decode`) and then applied as a dense gradient. Everything is updated in
+place; on CUDA the kernel runs on the current stream. The pure-torch twin is
+:mod:`pyasync.reference.apply`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from pyasync.ops._common import CODEC_IDS, Payload, addr, check_num_threads, check_tensor, launch
+
+__all__ = ["adam_apply", "sgd_apply"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation (shared with pyasync.reference.apply, so both accept exactly the same arguments)
+
+
+def _check_real(name: str, v: object, *, lo: Optional[float] = None, lo_open: bool = False,
+                hi: Optional[float] = None) -> float:
+    """v as a float, or TypeError/ValueError naming `name` (finite, and lo <= v (< if lo_open) < hi)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__} ({v!r})")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    if lo is not None and (f <= lo if lo_open else f < lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+    if hi is not None and not f < hi:
+        raise ValueError(f"{name} must be < {hi}, got {v!r}")
+    return f
+
+
+def _check_bool(name: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__} ({v!r})")
+    return v
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_shard(name: str, t: object, device: Optional[torch.device], n: Optional[int]) -> None:
+    check_tensor(name, t, dtype=torch.float32, device=device, numel=n)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (a flat fp32 shard), got shape {tuple(t.shape)}; pass .view(-1)")
+
+
+def check_gradient(
+    param: torch.Tensor,
+    payload: Optional[Payload],
+    grad_scale: float,
+    dense: Optional[torch.Tensor],
+    dense_scale: float,
+    scratch: Optional[torch.Tensor],
+    state: dict,
+) -> None:
+    """Validate the shard, the gradient terms and the optimizer state tensors (``state``: name ->
+    tensor, written in place); raise TypeError/ValueError naming the offending argument."""
+    _check_shard("param", param, None, None)
+    device, n = param.device, param.numel()
+    if payload is None and dense is None:
+        raise ValueError("apply needs a gradient: pass payload=, dense= or both")
+    if payload is not None:
+        from pyasync.ops.codecs import check_payload  # noqa: PLC0415
+
+        check_payload(payload, n=n, device=device)
+        if not payload.finite:
+            raise ValueError(
+                "payload.finite is False: the pushed gradient held NaN/Inf and must not be applied "
+                "(skip it and count it as nonfinite_skipped)"
+            )
+    _check_real("grad_scale", grad_scale)
+    _check_real("dense_scale", dense_scale)
+    if dense is not None:
+        check_tensor("dense", dense, dtype=torch.float32, device=device, numel=n)
+    if scratch is not None:
+        check_tensor("scratch", scratch, dtype=torch.float32, device=device, numel=n)
+    for name, t in state.items():
+        _check_shard(name, t, device, n)
+    written = {"param": param, **state}
+    others = dict(written)
+    if dense is not None:
+        others["dense"] = dense
+    if scratch is not None:
+        others["scratch"] = scratch
+    if payload is not None:
+        others.update({f"payload.{k}": t for k, t in
+                       (("codes", payload.codes), ("scales", payload.scales), ("indices", payload.indices))
+                       if t is not None})
+    for wname, w in written.items():
+        for oname, o in others.items():
+            if oname != wname and _overlaps(w, o):
+                raise ValueError(f"{wname} and {oname} share memory; every state tensor needs its own storage")
+    if scratch is not None and dense is not None and _overlaps(scratch, dense):
+        raise ValueError("scratch and dense share memory; pass a separate scratch buffer")
+
+
+def check_sgd(lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float,
+              maximize: bool, first_step: bool, momentum_buffer: Optional[torch.Tensor]) -> dict:
+    """Validate the SGD hyperparameters as torch.optim.SGD does; returns the state tensors to check."""
+    _check_real("lr", lr, lo=0.0)
+    _check_real("momentum", momentum, lo=0.0)
+    _check_real("dampening", dampening)
+    _check_real("weight_decay", weight_decay, lo=0.0)
+    _check_bool("nesterov", nesterov)
+    _check_bool("maximize", maximize)
+    _check_bool("first_step", first_step)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True requires momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError("momentum != 0 needs momentum_buffer= (an fp32 tensor like param; "
+                             "pass first_step=True on the first step to initialise it)")
+        return {"momentum_buffer": momentum_buffer}
+    return {}
+
+
+def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decoupled_weight_decay: bool, maximize: bool, step: int,
+               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
+    """Validate the Adam/AdamW hyperparameters as torch.optim.Adam does; returns the state tensors."""
+    _check_real("lr", lr, lo=0.0)
+    _check_real("beta1", beta1, lo=0.0, hi=1.0)
+    _check_real("beta2", beta2, lo=0.0, hi=1.0)
+    _check_real("eps", eps, lo=0.0)
+    _check_real("weight_decay", weight_decay, lo=0.0)
+    _check_bool("decoupled_weight_decay", decoupled_weight_decay)
+    _check_bool("maximize", maximize)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int (the 1-based step count after this update), got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the 1-based step count after this update), got {step}")
+    return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(step_size, bias_correction2_sqrt) in double, exactly as torch.optim.Adam computes them."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return lr / bias_correction1, bias_correction2**0.5
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch
+
+
+def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, dense: Optional[torch.Tensor],
+           dense_scale: float, scratch: Optional[torch.Tensor], state1: Optional[torch.Tensor],
+           state2: Optional[torch.Tensor], opt: dict, num_threads: Optional[int]) -> None:
+    nt = check_num_threads(num_threads)
+    n = param.numel()
+    if n == 0:
+        return
+    if payload is not None and payload.codec == "topk":
+        # Scatter first (see Note [Fused apply]): g = dense_scale * dense + grad_scale * topk values,
+        # with the same roundings as the inline path, then apply g as a dense gradient.
+        from pyasync.ops.codecs import decode  # noqa: PLC0415
+
+        g = scratch if scratch is not None else torch.empty(n, dtype=torch.float32, device=param.device)
+        if dense is not None:
+            torch.mul(dense.view(-1), float(dense_scale), out=g)
+        decode(payload, out=g, alpha=float(grad_scale), accumulate=dense is not None, num_threads=num_threads)
+        payload, dense, dense_scale = None, g, 1.0
+    codec = payload.codec if payload is not None else "none"
+    launch(
+        "apply",
+        param.device,
+        codec=CODEC_IDS[codec],
+        codes=addr(payload.codes) if payload is not None else 0,
+        scales=addr(payload.scales) if payload is not None else 0,
+        n=n,
+        block=payload.block if payload is not None and codec in ("int8", "sign") else 0,
+        grad_scale=float(grad_scale),
+        dense=addr(dense),
+        dense_scale=float(dense_scale),
+        param=addr(param),
+        state1=addr(state1),
+        state2=addr(state2),
+        opt=opt,
+        num_threads=nt,
+    )
+
+
+def sgd_apply(
+    param: torch.Tensor,
+    *,
+    payload: Optional[Payload] = None,
+    grad_scale: float = 1.0,
+    dense: Optional[torch.Tensor] = None,
+    dense_scale: float = 1.0,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    momentum_buffer: Optional[torch.Tensor] = None,
+    first_step: bool = False,
+    scratch: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One torch.optim.SGD step on ``param`` in place, from
+    ``g = dense_scale * dense + grad_scale * decode(payload)`` (either term may be absent, not both).
+
+    param: the fp32 master shard (1-D, contiguous, n elements); every tensor on its device.
+    payload: an encoded gradient of n elements (any codec; top-k is scattered into ``scratch``).
+    dense: n fp32 gradient values. grad_scale / dense_scale: multipliers of the two terms.
+    lr, momentum, dampening, nesterov, weight_decay, maximize: as torch.optim.SGD.
+    momentum_buffer: n fp32, updated in place; required when momentum != 0 (unused otherwise).
+    first_step: the buffer is set to g, as torch does when it has no buffer yet.
+    scratch: n fp32 used for top-k (allocated when None). num_threads: CPU threads (None: default).
+    """
+    state = check_sgd(lr, momentum, dampening, nesterov, weight_decay, maximize, first_step, momentum_buffer)
+    check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    opt = {
+        "kind": "sgd",
+        "lr": float(lr),
+        "momentum": float(momentum),
+        "dampening": float(dampening),
+        "nesterov": nesterov,
+        "weight_decay": float(weight_decay),
+        "maximize": maximize,
+        "first_step": first_step,
+    }
+    _apply(param, payload, grad_scale, dense, dense_scale, scratch, state.get("momentum_buffer"), None, opt,
+           num_threads)
+
+
+def adam_apply(
+    param: torch.Tensor,
+    *,
+    payload: Optional[Payload] = None,
+    grad_scale: float = 1.0,
+    dense: Optional[torch.Tensor] = None,
+    dense_scale: float = 1.0,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = False,
+    maximize: bool = False,
+    step: int,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    scratch: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One torch.optim.Adam step (AdamW with ``decoupled_weight_decay=True``; amsgrad=False) on
+    ``param`` in place, from ``g = dense_scale * dense + grad_scale * decode(payload)``.
+
+    param, payload, dense, grad_scale, dense_scale, scratch, num_threads: as :func:`sgd_apply`.
+    lr, beta1, beta2, eps, weight_decay, maximize: as torch.optim.Adam (betas=(beta1, beta2)).
+    step: the 1-based step count after this update (torch's state["step"] after its increment);
+    the bias corrections are computed from it in double, as torch does.
+    exp_avg, exp_avg_sq: n fp32 moment estimates, updated in place (zeros before the first step).
+    """
+    state = check_adam(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, step, exp_avg,
+                       exp_avg_sq)
+    check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    step_size, bias_correction2_sqrt = adam_scalars(float(lr), float(beta1), float(beta2), step)
+    opt = {
+        "kind": "adam",
+        "lr": float(lr),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(eps),
+        "weight_decay": float(weight_decay),
+        "decoupled_weight_decay": decoupled_weight_decay,
+        "maximize": maximize,
+        "step_size": step_size,
+        "bias_correction2_sqrt": bias_correction2_sqrt,
+    }
+    _apply(param, payload, grad_scale, dense, dense_scale, scratch, exp_avg, exp_avg_sq, opt, num_threads)
