@@ -1,3 +1,27 @@
-"""pyasync: asynchronous data-parallel training for PyTorch."""
+"""pyasync: asynchronous data-parallel training for PyTorch.
+
+    opt = pyasync.DistributedOptimizer(torch.optim.AdamW(model.parameters()), policy=pyasync.SSP(2),
+                                       compression=pyasync.compression.Int8())
+
+Importing pyasync never fails because the compiled core is missing; the first kernel call raises one
+actionable error instead (see pyasync._ext).
+"""
 
 __version__ = "0.1.0"
+
+from pyasync import compression
+from pyasync.engine.stats import Stats
+from pyasync.optimizer import DistributedOptimizer
+from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
+
+__all__ = [
+    "ASP",
+    "BSP",
+    "SSP",
+    "DistributedOptimizer",
+    "Policy",
+    "Quorum",
+    "Stats",
+    "compression",
+    "parse_policy",
+]

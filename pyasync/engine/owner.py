@@ -1,0 +1,397 @@
+"""Owner side: receive pushes, apply them to the shards this rank owns, answer the workers.
+
+Threads (see docs/architecture.md, "Threads"):
+
+* one *receiver* takes every push from the network: any-source receive of a header on the push-header
+  flow, full validation (wire.WireSpec), then the payload from that sender on the push-data flow; it
+  routes the push to the applier of its bucket. CLOSE messages go to every applier.
+* a few *appliers* (bucket b -> applier b % A): each alone owns the state of its shards, so the hot
+  path takes no lock; pushes to different shards never wait on each other beyond the applier count.
+  An applier decodes and applies (rule.UpdateRule), bumps the shard version, records staleness, and
+  answers the workers whose wait condition is now met by copying the shard into a fresh send buffer
+  (a reply is never torn).
+
+The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
+gets its answers through a callback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pyasync.engine import wire
+from pyasync.engine.rule import ShardState, UpdateRule
+from pyasync.ops import codecs as ops_codecs
+from pyasync.ops._common import Payload
+from pyasync.policy import Policy
+from pyasync.transport.base import Handle, Transport
+
+__all__ = ["Owner", "Reply"]
+
+
+@dataclass
+class Reply:
+    """Fresh values of one shard, as a worker receives them."""
+
+    bucket: int
+    shard: int
+    version: int  # updates applied to the shard
+    clock: int  # clock of the push this answers (-1: none)
+    values: torch.Tensor  # fp32 shard values
+    clocks: list[int]  # per worker: highest clock fully included in values
+    final: bool = False  # the owner's last word on this shard (after every rank closed)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.applied = 0
+        self.dropped = 0
+        self.nonfinite = 0
+        self.updates = 0
+        self.staleness: dict[int, int] = {}
+        self.bytes_sent = 0
+
+    def stale(self, s: int, count: int = 1) -> None:
+        self.staleness[s] = self.staleness.get(s, 0) + count
+
+
+class _Applier(threading.Thread):
+    def __init__(self, owner: Owner, index: int) -> None:
+        super().__init__(name=f"pyasync-applier-{index}", daemon=True)
+        self.owner = owner
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.shards: dict[int, ShardState] = {}
+        self.c = _Counters()
+        self.handles: list[Handle] = []
+
+    def run(self) -> None:
+        try:
+            while True:
+                item = self.q.get()
+                kind = item[0]
+                if kind == "push":
+                    _, b, w, clock, version, payload, mask = item
+                    self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask)
+                elif kind == "close":
+                    for s in self.shards.values():
+                        self.owner._on_close(self, s, item[1])
+                elif kind == "call":
+                    _, fn, box, done = item
+                    try:
+                        box.append(fn(self))
+                    except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                        box.append(e)
+                    done.set()
+                elif kind == "stop":
+                    deadline = item[1]
+                    for h in self.handles:
+                        h.wait(deadline)
+                    self.handles = []
+                    return
+                self.handles = [h for h in self.handles if not h.done()]
+        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+            self.owner.fail(f"applier thread {self.name}", e)
+
+
+class Owner:
+    """The shards this rank owns, their appliers and the push receiver."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        layouts,
+        masters: dict[int, torch.Tensor],
+        policy: Policy,
+        rule: UpdateRule,
+        transport: Transport | None,
+        spec: wire.WireSpec,
+        deliver_local: Callable[[Reply], None],
+        fail: Callable[[str, BaseException], None],
+        num_appliers: int = 2,
+    ) -> None:
+        self.rank, self.n = rank, world_size
+        self.policy, self.rule, self.transport, self.spec = policy, rule, transport, spec
+        self.deliver_local = deliver_local
+        self.fail = fail
+        owned = [b for b, lay in enumerate(layouts) if lay.shards[rank].numel > 0]
+        self.appliers = [_Applier(self, i) for i in range(max(1, min(num_appliers, len(owned))))]
+        self.route: dict[int, _Applier] = {}
+        for j, b in enumerate(owned):
+            s = ShardState(layouts[b].shards[rank], masters[b], world_size)
+            rule.init_state(s)
+            a = self.appliers[j % len(self.appliers)]
+            a.shards[b] = s
+            self.route[b] = a
+        self.receiver: threading.Thread | None = None
+        self.bytes_received = 0
+        self.divisor = policy.divisor(world_size)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for a in self.appliers:
+            a.start()
+        if self.n > 1:
+            self.receiver = threading.Thread(target=self._recv_loop, name="pyasync-owner-recv", daemon=True)
+            self.receiver.start()
+
+    def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool]) -> None:
+        self.route[b].q.put(("push", b, self.rank, clock, version, payload, mask))
+
+    def local_close(self) -> None:
+        for a in self.appliers:
+            a.q.put(("close", self.rank))
+
+    def call(self, fn: Callable, timeout) -> list:
+        """Run fn(applier) on every applier thread (in its own thread, between pushes); results."""
+        out = []
+        for a in self.appliers:
+            box: list = []
+            done = threading.Event()
+            a.q.put(("call", fn, box, done))
+            if not done.wait(timeout.total_seconds()):
+                raise TimeoutError(f"pyasync: applier {a.name} did not answer within {timeout}")
+            if isinstance(box[0], BaseException):
+                raise box[0]
+            out.append(box[0])
+        return out
+
+    def stop(self, timeout) -> None:
+        for a in self.appliers:
+            if a.is_alive():
+                a.q.put(("stop", timeout))
+        for a in self.appliers:
+            a.join(timeout.total_seconds())
+        if self.receiver is not None:
+            self.receiver.join(timeout.total_seconds())
+
+    def laggards(self, clock: int) -> list[int]:
+        """Workers that, as this rank's shards see it, have not pushed what answering a push of
+        ``clock`` needs (read without locks: for error messages only)."""
+        need = clock - getattr(self.policy, "staleness", 0)
+        out = set()
+        for s in list(self.shards().values()):
+            out.update(w for w in range(self.n) if not s.closed[w] and s.processed[w] <= need)
+        return sorted(out)
+
+    def unclosed(self) -> list[int]:
+        """Workers this rank's shards have not seen close (for error messages only)."""
+        return sorted({w for s in list(self.shards().values()) for w in range(self.n) if not s.closed[w]})
+
+    def shards(self) -> dict[int, ShardState]:
+        return {b: s for a in self.appliers for b, s in a.shards.items()}
+
+    # -- receiver thread ---------------------------------------------------------------------------
+    def _recv_loop(self) -> None:
+        remaining = set(range(self.n)) - {self.rank}
+        try:
+            while remaining:
+                hdr = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
+                src = self.transport.recv_any(hdr, "push_hdr")
+                self.bytes_received += hdr.numel() * 8
+                h = wire.parse_header(hdr, src)
+                if h.kind == wire.CLOSE:
+                    self.spec.check_close(h)
+                    if src not in remaining:
+                        raise wire.WireError(f"rank {src} sent CLOSE twice")
+                    remaining.discard(src)
+                    for a in self.appliers:
+                        a.q.put(("close", src))
+                    continue
+                self.spec.check_push(h)
+                if h.bucket not in self.route:
+                    raise wire.WireError(
+                        f"PUSH from rank {src} for bucket {h.bucket}, whose shard {self.rank} is empty"
+                    )
+                buf = torch.empty(h.nbytes, dtype=torch.uint8)
+                self.transport.recv(buf, src, "push_data", sub=h.bucket)
+                self.bytes_received += h.nbytes
+                payload, mask_t = wire.unpack_push(buf, h)
+                mask = mask_t.tolist()
+                if any(m not in (0, 1) for m in mask):
+                    raise wire.WireError(
+                        f"PUSH from rank {src} for bucket {h.bucket} has mask bytes other than 0/1"
+                    )
+                s = self.route[h.bucket].shards[h.bucket]
+                if s.master.device.type != "cpu":
+                    payload = Payload(
+                        payload.codec,
+                        payload.n,
+                        *[
+                            None if t is None else t.to(s.master.device)
+                            for t in (payload.codes, payload.scales, payload.indices)
+                        ],
+                        k=payload.k,
+                        block=payload.block,
+                        finite=payload.finite,
+                    )
+                self.route[h.bucket].q.put(
+                    ("push", h.bucket, src, h.clock, h.version, payload, [bool(m) for m in mask])
+                )
+        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+            self.fail("owner receiver thread", e)
+
+    # -- applier logic (runs in the shard's applier thread) -----------------------------------------
+    def _on_push(
+        self,
+        ap: _Applier,
+        s: ShardState,
+        w: int,
+        clock: int,
+        version: int,
+        payload: Payload,
+        mask: list[bool],
+    ) -> None:
+        b = s.bucket
+        if s.closed[w]:
+            raise wire.WireError(f"PUSH from rank {w} for bucket {b} arrived after its CLOSE")
+        if clock != s.processed[w]:
+            raise wire.WireError(
+                f"PUSH from rank {w} for bucket {b} has clock {clock}, expected {s.processed[w]} "
+                "(a push was lost, duplicated or reordered)"
+            )
+        if version > s.version:
+            raise wire.WireError(
+                f"PUSH from rank {w} for bucket {b} was computed on version {version}, but the "
+                f"shard is only at version {s.version}"
+            )
+        s.processed[w] = clock + 1
+        pol = self.policy
+        if pol.mode == "each":
+            if not payload.finite:
+                ap.c.nonfinite += 1
+            else:
+                stale = s.version - version
+                self.rule.apply(
+                    s, payload=payload, grad_scale=1.0 / self.n, seg_mask=mask, lr_factor=pol.lr_factor(stale)
+                )
+                s.version += 1
+                ap.c.applied += 1
+                ap.c.updates += 1
+                ap.c.stale(stale)
+            s.pending[w] = clock
+            self._answer_each(ap, s)
+            return
+        # Aggregate modes: BSP, Quorum.
+        if pol.is_late(version, s.version):
+            if not payload.finite:
+                ap.c.nonfinite += 1
+            elif getattr(pol, "late", "drop") == "fold":
+                self._accumulate(s, payload, mask)
+                s.fold_stale.append(s.version - version)
+            else:
+                ap.c.dropped += 1
+            self._reply(ap, s, [(w, clock)])  # superseded: catch up at once
+            return
+        if not payload.finite:
+            ap.c.nonfinite += 1  # counts as zeros in the mean
+        else:
+            self._accumulate(s, payload, mask)
+            s.agg_fresh += 1
+        s.pushers.add(w)
+        s.pending[w] = clock
+        self._maybe_update(ap, s)
+
+    def _accumulate(self, s: ShardState, payload: Payload, mask: list[bool]) -> None:
+        first = s.agg is None
+        if first:
+            s.agg = torch.zeros_like(s.master)
+        ops_codecs.decode(payload, out=s.agg, alpha=1.0 / self.divisor, accumulate=True)
+        for i, m in enumerate(mask):
+            s.agg_mask[i] = s.agg_mask[i] or m
+
+    def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
+        closed = {w for w in range(self.n) if s.closed[w]}
+        if not force and not (s.pushers and self.policy.update_ready(s.pushers, closed, self.n)):
+            return
+        if s.agg_fresh or s.fold_stale:
+            self.rule.apply(s, dense=s.agg, seg_mask=s.agg_mask)
+            s.version += 1
+            ap.c.updates += 1
+            ap.c.applied += s.agg_fresh + len(s.fold_stale)
+            if s.agg_fresh:
+                ap.c.stale(0, s.agg_fresh)
+            for st in s.fold_stale:
+                ap.c.stale(st)
+        if s.agg is not None:
+            s.agg.zero_()
+        s.agg_mask = [False] * len(s.agg_mask)
+        s.pushers, s.agg_fresh, s.fold_stale = set(), 0, []
+        waiters = sorted(s.pending.items())
+        s.pending.clear()
+        if waiters:
+            self._reply(ap, s, waiters)
+
+    def _answer_each(self, ap: _Applier, s: ShardState) -> None:
+        included = [p - 1 for p in s.processed]
+        ready = [
+            (w, t) for w, t in sorted(s.pending.items()) if self.policy.answer_now(t, included, s.closed)
+        ]
+        for w, _ in ready:
+            del s.pending[w]
+        if ready:
+            self._reply(ap, s, ready)
+
+    def _on_close(self, ap: _Applier, s: ShardState, w: int) -> None:
+        if s.closed[w]:
+            raise wire.WireError(f"rank {w} closed twice")
+        s.closed[w] = True
+        if self.policy.mode == "each":
+            self._answer_each(ap, s)
+        else:
+            self._maybe_update(ap, s)
+        if all(s.closed) and not s.finalized:
+            if self.policy.mode != "each" and (s.agg_fresh or s.fold_stale or s.pending):
+                self._maybe_update(ap, s, force=True)  # apply whatever is outstanding
+            if s.pending:
+                self._answer_each(ap, s)
+            s.finalized = True
+            self._reply(ap, s, [(w2, s.processed[w2] - 1) for w2 in range(self.n)], final=True)
+
+    def _reply(self, ap: _Applier, s: ShardState, dests: list[tuple[int, int]], final: bool = False) -> None:
+        clocks = [p - 1 for p in s.processed]
+        remote = [(w, c) for w, c in dests if w != self.rank]
+        if remote:
+            buf = wire.pack_reply(
+                wire.to_host(s.master), clocks
+            )  # a snapshot: the send never sees a later update
+            for w, c in remote:
+                h = wire.Header(
+                    kind=wire.REPLY,
+                    sender=self.rank,
+                    clock=c,
+                    version=s.version,
+                    bucket=s.bucket,
+                    shard=self.rank,
+                    codec=0,
+                    numel=s.master.numel(),
+                    nbytes=buf.numel(),
+                    flags=wire.FLAG_FINAL if final else 0,
+                    count=self.n,
+                )
+                hdr = wire.encode_header(h)
+                ap.handles.append(self.transport.send(hdr, w, "reply_hdr"))
+                ap.handles.append(self.transport.send(buf, w, "reply_data", sub=s.bucket))
+                ap.c.bytes_sent += hdr.numel() * 8 + buf.numel()
+        local = [c for w, c in dests if w == self.rank]
+        if local:
+            values = s.master.clone()
+            if values.device.type == "cuda":  # the installing thread may use another stream
+                torch.cuda.current_stream(values.device).synchronize()
+            self.deliver_local(
+                Reply(
+                    bucket=s.bucket,
+                    shard=self.rank,
+                    version=s.version,
+                    clock=local[0],
+                    values=values,
+                    clocks=list(clocks),
+                    final=final,
+                )
+            )

@@ -1,0 +1,260 @@
+"""The update rule an owner applies to its fp32 shard: fused SGD / Adam / AdamW kernels
+(pyasync.ops.apply), or a private instance of any other torch optimizer class.
+
+Hyperparameters are read at every update from the param_groups shared with the wrapped optimizer, so
+lr schedulers and per-group settings act on exactly the elements of their group. A shard is cut into
+*runs*: maximal stretches of consecutive segments with the same group, the same step count and a
+gradient (see shards.Segment); each run is one kernel call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyasync.ops import apply as ops_apply
+from pyasync.ops import codecs as ops_codecs
+from pyasync.ops._common import Payload
+
+__all__ = ["ShardState", "UpdateRule"]
+
+
+class ShardState:
+    """Everything an owner keeps for one shard it owns (touched only by that shard's applier)."""
+
+    def __init__(self, layout, master: torch.Tensor, world_size: int) -> None:
+        self.layout = layout  # shards.ShardLayout
+        self.bucket = layout.bucket
+        self.master = master  # fp32 values of the shard (numel,)
+        self.state1: torch.Tensor | None = None  # SGD momentum / Adam exp_avg
+        self.state2: torch.Tensor | None = None  # Adam exp_avg_sq
+        self.steps = [0] * len(layout.segments)  # optimizer steps taken by each segment
+        self.scratch: torch.Tensor | None = None  # decode / top-k scratch
+        self.version = 0  # updates applied
+        self.processed = [0] * world_size  # pushes processed per worker (= included clock + 1)
+        self.closed = [False] * world_size  # worker has closed
+        self.pending: dict[int, int] = {}  # worker -> clock of the push waiting for an answer
+        # Aggregate modes (BSP, Quorum): the update being collected.
+        self.agg: torch.Tensor | None = None  # sum of decoded pushes / divisor
+        self.agg_mask = [False] * len(layout.segments)  # union of the pushes' has-grad masks
+        self.pushers: set[int] = set()  # workers that contributed a fresh push (finite or not)
+        self.agg_fresh = 0  # finite fresh pushes in agg
+        self.fold_stale: list[int] = []  # staleness of late pushes folded into agg
+        self.finalized = False
+        self.generic = None  # private torch optimizer (generic rule)
+        self.generic_views: list[tuple[int, torch.Tensor]] = []
+        self.generic_groups: list[int] = []
+
+    def scratch_buf(self) -> torch.Tensor:
+        if self.scratch is None:
+            self.scratch = torch.empty_like(self.master)
+        return self.scratch
+
+
+class UpdateRule:
+    """Applies one optimizer update to a shard from an encoded payload or a dense fp32 gradient."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.groups = optimizer.param_groups  # shared, read at every update
+        t = type(optimizer)
+        if t is torch.optim.SGD:
+            self.kind = "sgd"
+        elif t in (torch.optim.Adam, torch.optim.AdamW) and not any(
+            g.get("amsgrad", False) for g in self.groups
+        ):
+            self.kind = "adam"
+            self.decoupled = t is torch.optim.AdamW or any(
+                g.get("decoupled_weight_decay", False) for g in self.groups
+            )
+        elif t is torch.optim.LBFGS:
+            raise TypeError(
+                "LBFGS needs a closure re-evaluating the loss several times per step; it cannot "
+                "be made asynchronous. Use SGD, Adam, AdamW or another first-order optimizer"
+            )
+        else:
+            self.kind = "generic"
+
+    @property
+    def fused(self) -> bool:
+        return self.kind != "generic"
+
+    def describe(self) -> list[str]:
+        return [
+            f"optimizer {type(self.optimizer).__module__}.{type(self.optimizer).__qualname__} ({self.kind})",
+            f"param_groups {len(self.groups)}",
+        ]
+
+    # ------------------------------------------------------------------------------------------
+    def init_state(self, s: ShardState) -> None:
+        if self.kind == "adam":
+            s.state1 = torch.zeros_like(s.master)
+            s.state2 = torch.zeros_like(s.master)
+        elif self.kind == "sgd":
+            if any(float(g.get("momentum", 0.0)) != 0.0 for g in self.groups):
+                s.state1 = torch.zeros_like(s.master)
+        else:
+            self._generic_init(s)
+
+    def _generic_init(self, s: ShardState) -> None:
+        segs = s.layout.segments
+        order = sorted({seg.group for seg in segs})
+        pgroups = []
+        s.generic_views = []
+        for g in order:
+            views = []
+            for i, seg in enumerate(segs):
+                if seg.group == g:
+                    v = s.master[seg.begin : seg.end]
+                    views.append(v)
+                    s.generic_views.append((i, v))
+            pgroups.append({"params": views, **{k: v for k, v in self.groups[g].items() if k != "params"}})
+        s.generic_groups = order
+        if not pgroups:
+            return
+        cls = type(self.optimizer)
+        try:
+            s.generic = cls(pgroups, **dict(self.optimizer.defaults))
+        except TypeError:
+            s.generic = cls(pgroups)
+
+    # ------------------------------------------------------------------------------------------
+    def runs(self, s: ShardState, seg_mask: list[bool]) -> list[tuple[int, int, int, int, list[int]]]:
+        """[(begin, end, group, steps, segment indices)] of the masked-in segments."""
+        out: list[tuple[int, int, int, int, list[int]]] = []
+        for i, seg in enumerate(s.layout.segments):
+            if not seg_mask[i] or seg.end <= seg.begin:
+                continue
+            if out and out[-1][1] == seg.begin and out[-1][2] == seg.group and out[-1][3] == s.steps[i]:
+                a, _, g, st, idx = out[-1]
+                out[-1] = (a, seg.end, g, st, idx + [i])
+            else:
+                out.append((seg.begin, seg.end, seg.group, s.steps[i], [i]))
+        return out
+
+    def apply(
+        self,
+        s: ShardState,
+        *,
+        payload: Payload | None = None,
+        grad_scale: float = 1.0,
+        dense: torch.Tensor | None = None,
+        seg_mask: list[bool],
+        lr_factor: float = 1.0,
+    ) -> None:
+        """One update of shard ``s`` from ``grad_scale * decode(payload)`` or ``dense``, on the segments
+        whose ``seg_mask`` entry is True (the others are not touched, not even by weight decay)."""
+        n = s.master.numel()
+        runs = self.runs(s, seg_mask)
+        if not runs:
+            return
+        whole = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == n
+        if payload is not None and (not whole or not self.fused):
+            dense = ops_codecs.decode(payload, out=s.scratch_buf(), alpha=float(grad_scale))
+            payload, grad_scale = None, 1.0
+        if not self.fused:
+            self._generic_apply(s, dense, seg_mask, lr_factor)
+            return
+        for a, z, g, steps, idx in runs:
+            grp = self.groups[g]
+            p = payload if whole else None
+            d = dense[a:z] if dense is not None else None
+            scratch = s.scratch_buf()[a:z] if p is not None and p.codec == "topk" else None
+            if self.kind == "sgd":
+                momentum = float(grp.get("momentum", 0.0))
+                if momentum != 0.0 and s.state1 is None:
+                    s.state1 = torch.zeros_like(s.master)
+                ops_apply.sgd_apply(
+                    s.master[a:z],
+                    payload=p,
+                    grad_scale=float(grad_scale),
+                    dense=d,
+                    dense_scale=1.0,
+                    lr=float(grp["lr"]) * lr_factor,
+                    momentum=momentum,
+                    dampening=float(grp.get("dampening", 0.0)),
+                    nesterov=bool(grp.get("nesterov", False)),
+                    weight_decay=float(grp.get("weight_decay", 0.0)),
+                    maximize=bool(grp.get("maximize", False)),
+                    momentum_buffer=s.state1[a:z] if momentum != 0.0 else None,
+                    first_step=steps == 0,
+                    scratch=scratch,
+                )
+            else:
+                beta1, beta2 = grp["betas"]
+                ops_apply.adam_apply(
+                    s.master[a:z],
+                    payload=p,
+                    grad_scale=float(grad_scale),
+                    dense=d,
+                    dense_scale=1.0,
+                    lr=float(grp["lr"]) * lr_factor,
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(grp["eps"]),
+                    weight_decay=float(grp.get("weight_decay", 0.0)),
+                    decoupled_weight_decay=bool(self.decoupled or grp.get("decoupled_weight_decay", False)),
+                    maximize=bool(grp.get("maximize", False)),
+                    step=steps + 1,
+                    exp_avg=s.state1[a:z],
+                    exp_avg_sq=s.state2[a:z],
+                    scratch=scratch,
+                )
+            for i in idx:
+                s.steps[i] += 1
+
+    def _generic_apply(
+        self, s: ShardState, dense: torch.Tensor, seg_mask: list[bool], lr_factor: float
+    ) -> None:
+        if s.generic is None:
+            return
+        for pg, g in zip(s.generic.param_groups, s.generic_groups):
+            for k, v in self.groups[g].items():
+                if k != "params":
+                    pg[k] = v
+            if lr_factor != 1.0:
+                pg["lr"] = float(pg["lr"]) * lr_factor
+        segs = s.layout.segments
+        for i, v in s.generic_views:
+            v.grad = dense[segs[i].begin : segs[i].end] if seg_mask[i] else None
+        with torch.no_grad():
+            s.generic.step()
+        for i, v in s.generic_views:
+            v.grad = None
+            if seg_mask[i]:
+                s.steps[i] += 1
+
+    # ------------------------------------------------------------------------------------------
+    def state_tensors(self, s: ShardState) -> dict[str, torch.Tensor]:
+        """The shard's optimizer state as named tensors (for state_dict)."""
+        out = {"steps": torch.tensor(s.steps, dtype=torch.int64)}
+        if s.state1 is not None:
+            out["state1"] = s.state1
+        if s.state2 is not None:
+            out["state2"] = s.state2
+        if s.generic is not None:
+            for j, (i, v) in enumerate(s.generic_views):
+                for k, t in s.generic.state.get(v, {}).items():
+                    if isinstance(t, torch.Tensor):
+                        out[f"generic.{i}.{k}"] = t
+        return out
+
+    def load_state_tensors(self, s: ShardState, d: dict[str, torch.Tensor], where: str) -> None:
+        steps = d.get("steps")
+        if steps is None or steps.numel() != len(s.steps):
+            raise ValueError(f"{where}: 'steps' must hold {len(s.steps)} entries")
+        for name, attr in (("state1", "state1"), ("state2", "state2")):
+            t = d.get(name)
+            if t is not None:
+                if t.numel() != s.master.numel():
+                    raise ValueError(
+                        f"{where}: {name!r} has {t.numel()} elements, expected {s.master.numel()}"
+                    )
+                if getattr(s, attr) is None:
+                    setattr(s, attr, torch.zeros_like(s.master))
+                getattr(s, attr).copy_(t.reshape(-1))
+        s.steps = [int(x) for x in steps.tolist()]
+        if s.generic is not None:
+            for i, v in s.generic_views:
+                st = {k.split(".", 2)[2]: t for k, t in d.items() if k.startswith(f"generic.{i}.")}
+                if st:
+                    s.generic.state[v] = {k: t.clone() for k, t in st.items()}

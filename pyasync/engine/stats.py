@@ -1,0 +1,38 @@
+"""Stats: what one rank's engine has done so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Stats"]
+
+
+@dataclass
+class Stats:
+    """Counters of one rank: its worker side (clock, waits, pushes sent) and the shards it owns
+    (applied / dropped / skipped pushes and their staleness).
+
+    clock: completed step() calls of this worker.
+    min_included_clock: every worker's pushes up to this clock are in the parameters installed now
+        (-1: not yet for every worker).
+    staleness: {staleness in versions: count} of the pushes applied to this rank's shards.
+    pushes_applied / pushes_dropped / nonfinite_skipped: pushes to this rank's shards (one push = one
+        bucket shard of one worker's step) applied, dropped by the policy (Quorum late="drop"), or
+        skipped because they held NaN/Inf.
+    bytes_sent / bytes_received: bytes this rank put on / took off the network (headers included).
+    wait_seconds: seconds step() and close() spent waiting for the policy.
+    compression_ratio: fp32 bytes of the pushed gradient slices / encoded bytes (1.0 uncompressed).
+    """
+
+    clock: int = 0
+    min_included_clock: int = -1
+    staleness: dict[int, int] = field(default_factory=dict)
+    pushes_applied: int = 0
+    pushes_dropped: int = 0
+    nonfinite_skipped: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wait_seconds: float = 0.0
+    compression_ratio: float = 1.0
+    pushes_sent: int = 0
+    updates_applied: int = 0

@@ -1,0 +1,414 @@
+"""The wire format: a fixed int64 header, then one flat byte payload. Nothing is ever unpickled.
+
+Header (``HEADER_LEN`` int64, in this order)::
+
+    0 magic        MAGIC ("PYASYNC\\x01" as little-endian int64)
+    1 format       FORMAT_VERSION
+    2 kind         PUSH (worker -> owner), REPLY (owner -> worker), CLOSE (worker -> owner)
+    3 sender       rank of the sender in the engine's group (must equal the rank it came from)
+    4 clock        PUSH/CLOSE: the worker's clock; REPLY: the clock of the push it answers
+    5 version      PUSH: shard version the gradient was computed on; REPLY: version of the values
+    6 bucket       bucket index
+    7 shard        shard index (= owner rank)
+    8 codec        codec id (pyasync.ops._common.CODEC_IDS); REPLY: 0 (fp32 values)
+    9 numel        elements of the shard
+   10 nbytes       bytes of the payload that follows (0: no payload message)
+   11 k            top-k kept elements, else 0
+   12 block        int8/sign block size, else 0
+   13 flags        FLAG_FINITE, FLAG_FINAL
+   14 count        PUSH: mask entries (parameters overlapping the shard); REPLY: workers in the clock vector
+   15 check        checksum of fields 0..14
+
+Push payload: codes | scales or indices | mask (uint8 per overlapping parameter, 1 = has a gradient),
+each part starting at a multiple of 8 bytes. Reply payload: numel fp32 values | count int64 clocks
+(the highest clock of each worker fully included in the values).
+
+Receivers check every field against what they expect (:meth:`WireSpec.check_push`,
+:meth:`WireSpec.check_reply`) before allocating anything, and raise :class:`WireError` naming the
+sender and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pyasync.ops._common import CODEC_IDS, CODEC_NAMES, Payload
+
+__all__ = [
+    "CLOSE",
+    "FLAG_FINAL",
+    "FLAG_FINITE",
+    "FORMAT_VERSION",
+    "HEADER_LEN",
+    "MAGIC",
+    "PUSH",
+    "REPLY",
+    "Header",
+    "WireError",
+    "WireSpec",
+    "encode_header",
+    "pack_push",
+    "pack_reply",
+    "parse_header",
+    "push_parts",
+    "reply_parts",
+    "to_host",
+    "unpack_push",
+    "unpack_reply",
+]
+
+HEADER_LEN = 16
+MAGIC = int.from_bytes(b"PYASYNC\x01", "little")
+FORMAT_VERSION = 1
+PUSH, REPLY, CLOSE = 1, 2, 3
+KIND_NAMES = {PUSH: "PUSH", REPLY: "REPLY", CLOSE: "CLOSE"}
+FLAG_FINITE = 1
+FLAG_FINAL = 2
+_KNOWN_FLAGS = FLAG_FINITE | FLAG_FINAL
+_FIELDS = (
+    "magic",
+    "format",
+    "kind",
+    "sender",
+    "clock",
+    "version",
+    "bucket",
+    "shard",
+    "codec",
+    "numel",
+    "nbytes",
+    "k",
+    "block",
+    "flags",
+    "count",
+    "check",
+)
+_MASK63 = (1 << 63) - 1
+_ALIGN = 8
+MAX_CLOCK = 1 << 60  # clocks and versions above this are corrupt
+
+_CODE_DTYPES = {
+    "none": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "sign": torch.uint8,
+    "topk": torch.float32,
+}
+
+
+class WireError(ValueError):
+    """A message that does not fit the protocol (corrupt, or a peer running something else)."""
+
+
+def _checksum(fields: Sequence[int]) -> int:
+    c = 0x2545F4914F6CDD1D
+    for f in fields:
+        c = ((c ^ (int(f) & ((1 << 64) - 1))) * 0x100000001B3) & ((1 << 64) - 1)
+    return c & _MASK63
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    sender: int
+    clock: int
+    version: int
+    bucket: int
+    shard: int
+    codec: int
+    numel: int
+    nbytes: int
+    k: int = 0
+    block: int = 0
+    flags: int = 0
+    count: int = 0
+
+    @property
+    def finite(self) -> bool:
+        return bool(self.flags & FLAG_FINITE)
+
+    @property
+    def final(self) -> bool:
+        return bool(self.flags & FLAG_FINAL)
+
+
+def encode_header(h: Header) -> torch.Tensor:
+    """The header as an int64 tensor of HEADER_LEN elements."""
+    f = [
+        MAGIC,
+        FORMAT_VERSION,
+        h.kind,
+        h.sender,
+        h.clock,
+        h.version,
+        h.bucket,
+        h.shard,
+        h.codec,
+        h.numel,
+        h.nbytes,
+        h.k,
+        h.block,
+        h.flags,
+        h.count,
+    ]
+    f.append(_checksum(f))
+    return torch.tensor(f, dtype=torch.int64)
+
+
+def parse_header(t: torch.Tensor, src: int) -> Header:
+    """Check the fields every message shares (magic, format, kind, checksum, sender == src, ranges)
+    and return the Header. ``src`` is the rank the message came from."""
+    if t.dtype != torch.int64 or t.numel() != HEADER_LEN:
+        raise WireError(f"header from rank {src} must be {HEADER_LEN} int64, got {t.numel()} {t.dtype}")
+    f = [int(x) for x in t.tolist()]
+    if f[0] != MAGIC:
+        raise WireError(
+            f"message from rank {src} has a bad magic number {f[0]:#x} (expected {MAGIC:#x}): "
+            "not a pyasync message, or a corrupt one"
+        )
+    if f[1] != FORMAT_VERSION:
+        raise WireError(
+            f"message from rank {src} has wire format version {f[1]}, this rank speaks "
+            f"{FORMAT_VERSION}: run the same pyasync version on every rank"
+        )
+    if f[15] != _checksum(f[:15]):
+        raise WireError(f"header from rank {src} fails its checksum (corrupt message)")
+    if f[2] not in KIND_NAMES:
+        raise WireError(f"message from rank {src} has an unknown kind {f[2]}")
+    if f[3] != src:
+        raise WireError(f"message received from rank {src} claims sender {f[3]}")
+    names = dict(zip(_FIELDS, f))
+    for name in ("clock", "version", "bucket", "shard", "codec", "numel", "nbytes", "k", "block", "count"):
+        v = names[name]
+        lo = -1 if name in ("clock", "version") else 0
+        if v < lo or v > MAX_CLOCK:
+            raise WireError(f"{KIND_NAMES[f[2]]} from rank {src} has {name}={v} out of range")
+    if f[13] & ~_KNOWN_FLAGS:
+        raise WireError(f"{KIND_NAMES[f[2]]} from rank {src} has unknown flags {f[13]:#x}")
+    return Header(
+        kind=f[2],
+        sender=f[3],
+        clock=f[4],
+        version=f[5],
+        bucket=f[6],
+        shard=f[7],
+        codec=f[8],
+        numel=f[9],
+        nbytes=f[10],
+        k=f[11],
+        block=f[12],
+        flags=f[13],
+        count=f[14],
+    )
+
+
+def _pad(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def push_parts(codec: str, n: int, block: int, k: int, mask_len: int) -> tuple[list[tuple], int]:
+    """[(name, dtype, numel, byte offset)] of a push payload and its total bytes."""
+    if codec in ("none", "fp16", "bf16"):
+        shapes = [("codes", _CODE_DTYPES[codec], n)]
+    elif codec == "int8":
+        shapes = [("codes", torch.int8, n), ("scales", torch.float32, -(-n // block))]
+    elif codec == "sign":
+        shapes = [("codes", torch.uint8, -(-n // 8)), ("scales", torch.float32, -(-n // block))]
+    elif codec == "topk":
+        shapes = [("codes", torch.float32, k), ("indices", torch.int32, k)]
+    else:
+        raise WireError(f"unknown codec {codec!r}")
+    shapes.append(("mask", torch.uint8, mask_len))
+    parts, off = [], 0
+    for name, dt, numel in shapes:
+        parts.append((name, dt, numel, off))
+        off = _pad(off + numel * torch.empty((), dtype=dt).element_size())
+    return parts, off
+
+
+def reply_parts(n: int, world_size: int) -> tuple[list[tuple], int]:
+    values = _pad(4 * n)
+    return [
+        ("values", torch.float32, n, 0),
+        ("clocks", torch.int64, world_size, values),
+    ], values + 8 * world_size
+
+
+def _views(buf: torch.Tensor, parts: list[tuple]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, dt, numel, off in parts:
+        size = numel * torch.empty((), dtype=dt).element_size()
+        out[name] = buf[off : off + size].view(dt)
+    return out
+
+
+def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != total or buf.numel() != h.nbytes:
+        raise WireError(
+            f"{KIND_NAMES.get(h.kind, h.kind)} payload from rank {h.sender} is {buf.numel()} {buf.dtype} elements, "
+            f"expected {total} uint8 bytes (header says {h.nbytes})"
+        )
+    if not buf.is_contiguous() or buf.data_ptr() % 8 != 0:
+        raise WireError(
+            f"{KIND_NAMES.get(h.kind, h.kind)} payload buffer from rank {h.sender} must be contiguous and "
+            f"8-byte aligned (receive into a fresh buffer)"
+        )
+
+
+def pack_push(payload: Payload, mask: torch.Tensor, *, device: torch.device | None = None) -> torch.Tensor:
+    """One uint8 buffer holding the payload tensors and the mask (see push_parts)."""
+    parts, total = push_parts(payload.codec, payload.n, payload.block, payload.k, mask.numel())
+    # zeros, not empty: the alignment padding between parts must not carry stale process memory.
+    buf = torch.zeros(total, dtype=torch.uint8, device=device if device is not None else payload.device)
+    views = _views(buf, parts)
+    src = {"codes": payload.codes, "scales": payload.scales, "indices": payload.indices, "mask": mask}
+    for name, v in views.items():
+        if v.numel():
+            v.copy_(src[name].reshape(-1))
+    return buf
+
+
+def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
+    """(Payload of views into buf, uint8 mask) of a checked push."""
+    codec = CODEC_NAMES.get(h.codec)
+    if codec is None:
+        raise WireError(f"PUSH from rank {h.sender} has an unknown codec id {h.codec}")
+    parts, total = push_parts(codec, h.numel, h.block, h.k, h.count)
+    _check_buffer(buf, total, h)
+    v = _views(buf, parts)
+    p = Payload(
+        codec=codec,
+        n=h.numel,
+        codes=v["codes"],
+        scales=v.get("scales"),
+        indices=v.get("indices"),
+        k=h.k,
+        block=h.block,
+        finite=h.finite,
+    )
+    return p, v["mask"]
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself on the CPU, else a copy in pinned host memory (for the gloo transport). The copy is
+    synchronous, so the host buffer is complete (and the device tensor free to change) on return."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
+
+
+def pack_reply(values: torch.Tensor, clocks: Sequence[int]) -> torch.Tensor:
+    parts, total = reply_parts(values.numel(), len(clocks))
+    buf = torch.zeros(total, dtype=torch.uint8, device=values.device)  # no stale bytes in the padding
+    v = _views(buf, parts)
+    v["values"].copy_(values.reshape(-1))
+    v["clocks"].copy_(torch.tensor(list(clocks), dtype=torch.int64))
+    return buf
+
+
+def unpack_reply(buf: torch.Tensor, h: Header) -> tuple[torch.Tensor, list[int]]:
+    parts, total = reply_parts(h.numel, h.count)
+    _check_buffer(buf, total, h)
+    v = _views(buf, parts)
+    return v["values"], [int(c) for c in v["clocks"].tolist()]
+
+
+class WireSpec:
+    """What this rank expects in messages: the bucket/shard sizes and the agreed codec.
+
+    shard_numels[b][r]: elements of shard r of bucket b; mask_lens[b][r]: parameters overlapping it;
+    codec: the agreed codec name; block: the agreed block (int8/sign); topk_k: n -> k (top-k)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        shard_numels: Sequence[Sequence[int]],
+        mask_lens: Sequence[Sequence[int]],
+        codec: str,
+        block: int,
+        topk_k: Callable[[int], int] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.shard_numels = [list(x) for x in shard_numels]
+        self.mask_lens = [list(x) for x in mask_lens]
+        self.codec = codec
+        self.codec_id = CODEC_IDS[codec]
+        self.block = block if codec in ("int8", "sign") else 0
+        self.topk_k = topk_k
+
+    def _bucket(self, h: Header, what: str) -> None:
+        if not 0 <= h.bucket < len(self.shard_numels):
+            raise WireError(
+                f"{what} from rank {h.sender} names bucket {h.bucket}, but there are "
+                f"{len(self.shard_numels)} buckets"
+            )
+        if not 0 <= h.shard < self.world_size:
+            raise WireError(f"{what} from rank {h.sender} names shard {h.shard} of {self.world_size}")
+        n = self.shard_numels[h.bucket][h.shard]
+        if h.numel != n:
+            raise WireError(
+                f"{what} from rank {h.sender} for bucket {h.bucket} shard {h.shard} has numel "
+                f"{h.numel}, expected {n}"
+            )
+
+    def check_push(self, h: Header) -> None:
+        """Validate a PUSH header addressed to this rank (before receiving its payload)."""
+        if h.kind != PUSH:
+            raise WireError(f"expected a PUSH from rank {h.sender}, got {KIND_NAMES[h.kind]}")
+        if h.shard != self.rank:
+            raise WireError(f"PUSH from rank {h.sender} is for shard {h.shard}, but this is rank {self.rank}")
+        self._bucket(h, "PUSH")
+        if h.clock < 0 or h.version < 0:
+            raise WireError(
+                f"PUSH from rank {h.sender} has a negative clock/version ({h.clock}, {h.version})"
+            )
+        if h.codec != self.codec_id:
+            got = CODEC_NAMES.get(h.codec, f"id {h.codec}")
+            raise WireError(f"PUSH from rank {h.sender} uses codec {got}, the agreed codec is {self.codec}")
+        want_block = self.block
+        if h.block != want_block:
+            raise WireError(f"PUSH from rank {h.sender} has block {h.block}, expected {want_block}")
+        want_k = self.topk_k(h.numel) if self.codec == "topk" else 0
+        if h.k != want_k:
+            raise WireError(f"PUSH from rank {h.sender} has k={h.k}, expected {want_k}")
+        want_mask = self.mask_lens[h.bucket][h.shard]
+        if h.count != want_mask:
+            raise WireError(f"PUSH from rank {h.sender} has {h.count} mask entries, expected {want_mask}")
+        if h.final:
+            raise WireError(f"PUSH from rank {h.sender} carries the FINAL flag")
+        _, total = push_parts(self.codec, h.numel, h.block, h.k, h.count)
+        if h.nbytes != total:
+            raise WireError(f"PUSH from rank {h.sender} announces {h.nbytes} payload bytes, expected {total}")
+
+    def check_reply(self, h: Header) -> None:
+        """Validate a REPLY header addressed to this rank."""
+        if h.kind != REPLY:
+            raise WireError(f"expected a REPLY from rank {h.sender}, got {KIND_NAMES[h.kind]}")
+        if h.shard != h.sender:
+            raise WireError(f"REPLY from rank {h.sender} carries shard {h.shard}, which it does not own")
+        self._bucket(h, "REPLY")
+        if h.codec != 0 or h.k != 0 or h.block != 0:
+            raise WireError(
+                f"REPLY from rank {h.sender} has codec/k/block {h.codec}/{h.k}/{h.block}, expected 0/0/0"
+            )
+        if h.count != self.world_size:
+            raise WireError(f"REPLY from rank {h.sender} has {h.count} clocks, expected {self.world_size}")
+        _, total = reply_parts(h.numel, h.count)
+        if h.nbytes != total:
+            raise WireError(
+                f"REPLY from rank {h.sender} announces {h.nbytes} payload bytes, expected {total}"
+            )
+
+    def check_close(self, h: Header) -> None:
+        if h.kind != CLOSE:
+            raise WireError(f"expected CLOSE from rank {h.sender}, got {KIND_NAMES[h.kind]}")
+        if h.nbytes != 0 or h.clock < 0:
+            raise WireError(f"CLOSE from rank {h.sender} has nbytes={h.nbytes}, clock={h.clock}")

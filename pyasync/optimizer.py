@@ -1,0 +1,413 @@
+"""DistributedOptimizer: the face users touch.
+
+    opt = pyasync.DistributedOptimizer(torch.optim.AdamW(model.parameters()), policy="ssp:2")
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.close()
+
+See docs/architecture.md for the engine behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pyasync import compression as _compression
+from pyasync.engine import wire
+from pyasync.engine.agree import check_agreement
+from pyasync.engine.buckets import compute_bucket_assignment_by_size
+from pyasync.engine.rule import UpdateRule
+from pyasync.engine.shards import build_layout
+from pyasync.engine.stats import Stats
+from pyasync.engine.worker import Engine
+from pyasync.ops import bucketing as ops_bucketing
+from pyasync.policy import Policy, parse_policy
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["DistributedOptimizer"]
+
+_FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _codec_params(comp, numels: set[int]) -> tuple[str, int, dict[int, int]]:
+    """(codec, block, {n: k}) the compressor produces, found by encoding zeros with a throwaway copy (so
+    the real compressor's error-feedback state is untouched)."""
+    probe = _compression.from_spec(comp.spec())
+    codec, block, ks = "none", 0, {}
+    for n in sorted(numels):
+        p = probe.compress(torch.zeros(n, dtype=torch.float32), key=("probe", n))
+        codec, block, ks[n] = p.codec, p.block, p.k
+    return codec, block, ks
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap a torch optimizer for asynchronous data-parallel training.
+
+    Args:
+        optimizer: any torch.optim optimizer (SGD, Adam and AdamW use fused kernels; others run a
+            private instance of their class on each owned shard). Its param_groups are shared.
+        policy: BSP() (default), SSP(s), ASP(), Quorum(k), or a string "bsp", "asp", "ssp:2",
+            "quorum:3" (see pyasync.policy).
+        compression: a pyasync.compression Compressor, None (no compression) or a spec string
+            ("int8", "topk:0.01", ...).
+        bucket_cap_mb: bucket size cap in MiB (2**20 bytes) of parameter data.
+        process_group: the ranks that train together (None: the default group; torch.distributed must
+            be initialised).
+        named_parameters: optional iterable of (name, parameter), for messages and checkpoint keys.
+        timeout: the longest any wait (step, close, startup) may take before a clear error.
+        num_appliers: applier threads per rank (shards of different buckets are applied in parallel).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        policy: Policy | str | None = None,
+        compression: Any = None,
+        bucket_cap_mb: float = 25,
+        process_group: dist.ProcessGroup | None = None,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        num_appliers: int = 2,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(
+                "optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once"
+            )
+        self._policy = parse_policy(policy)
+        self._comp = _compression.from_spec(compression)
+        if (
+            isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, (int, float))
+            or not math.isfinite(bucket_cap_mb)
+            or bucket_cap_mb <= 0
+        ):
+            raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if isinstance(num_appliers, bool) or not isinstance(num_appliers, int) or num_appliers < 1:
+            raise ValueError(f"num_appliers must be an int >= 1, got {num_appliers!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(backend 'gloo') on every rank before creating a DistributedOptimizer"
+            )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a torch.distributed ProcessGroup or None, got "
+                f"{type(process_group).__name__}"
+            )
+        self._group = process_group
+        self._rank = dist.get_rank(process_group)
+        if self._rank < 0:
+            raise ValueError("this rank is not a member of process_group")
+        self._world = dist.get_world_size(process_group)
+        self._policy.validate(self._world)
+        self._timeout = timeout
+
+        # Shared with the wrapped optimizer (lr schedulers work on either).
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+        self._engine: Engine | None = None
+
+        names = {}
+        if named_parameters is not None:
+            for item in named_parameters:
+                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                    raise TypeError(
+                        "named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()"
+                    )
+                names.setdefault(id(item[1]), item[0])
+
+        # Parameters: trainable ones, each once (tied parameters are one tensor), in group order.
+        params, groups, seen = [], [], set()
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected tensors")
+                if not p.requires_grad or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.dtype not in _FP_DTYPES:
+                    raise TypeError(
+                        f"parameter {names.get(id(p), len(params))} has dtype {p.dtype}; pyasync "
+                        "supports float32, float16 and bfloat16 parameters"
+                    )
+                if not p.is_contiguous():
+                    raise ValueError(
+                        f"parameter {names.get(id(p), len(params))} is not contiguous; make it "
+                        "contiguous (p.data = p.data.contiguous()) before wrapping the optimizer"
+                    )
+                if p.is_sparse:
+                    raise TypeError("sparse parameters are not supported")
+                params.append(p)
+                groups.append(gi)
+        if not params:
+            raise ValueError("the optimizer has no parameter with requires_grad=True: nothing to train")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._params = params
+        self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+        cap = max(1, int(bucket_cap_mb * (1 << 20)))
+        assign = compute_bucket_assignment_by_size(
+            [p.numel() * p.element_size() for p in params],
+            [str(p.dtype) for p in params],
+            [str(p.device) for p in params],
+            cap,
+        )
+        self._layouts = build_layout(assign, [p.numel() for p in params], groups, self._world)
+        self._rule = UpdateRule(optimizer)
+
+        # Startup agreement (collectives on the user's group, main thread, before any thread starts).
+        items = {
+            "parameters": [
+                f"{i} {self._names[i]} shape={tuple(p.shape)} dtype={p.dtype} group={groups[i]}"
+                for i, p in enumerate(params)
+            ],
+            "policy": [self._policy.spec()],
+            "compression": [self._comp.spec()],
+            "optimizer": self._rule.describe(),
+            "bucket layout": [lay.describe() for lay in self._layouts],
+            "device type": [params[0].device.type],
+        }
+        check_agreement(items, process_group)
+
+        # Same starting point everywhere (as DDP): rank 0's parameters.
+        if self._world > 1:
+            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            with torch.no_grad():
+                for lay in self._layouts:
+                    ps = [params[p] for p in lay.params]
+                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                    if flat.device.type != "cpu":
+                        flat_cpu = flat.cpu()
+                        dist.broadcast(flat_cpu, src=src, group=process_group)
+                        flat.copy_(flat_cpu)
+                    else:
+                        dist.broadcast(flat, src=src, group=process_group)
+                    for p, o, n in zip(ps, lay.offsets, lay.numels):
+                        p.copy_(flat[o : o + n].view_as(p))
+
+        own = {lay.shards[self._rank].numel for lay in self._layouts if lay.shards[self._rank].numel > 0}
+        codec, block, ks = _codec_params(self._comp, own)
+        spec = wire.WireSpec(
+            rank=self._rank,
+            world_size=self._world,
+            shard_numels=[[s.numel for s in lay.shards] for lay in self._layouts],
+            mask_lens=[[len(s.segments) for s in lay.shards] for lay in self._layouts],
+            codec=codec,
+            block=block,
+            topk_k=lambda n: ks.get(n, -1),
+        )
+        transport = None
+        if self._world > 1:
+            from pyasync.transport.gloo import GlooTransport
+
+            transport = GlooTransport(process_group)
+        self._engine = Engine(
+            params=params,
+            layouts=self._layouts,
+            policy=self._policy,
+            compressor=self._comp,
+            rule=self._rule,
+            transport=transport,
+            rank=self._rank,
+            world_size=self._world,
+            timeout=timeout,
+            spec=spec,
+            num_appliers=num_appliers,
+        )
+
+    # -- torch.optim.Optimizer interface ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Push this step's gradients, wait as the policy says (at most ``timeout``), install fresh
+        parameters. Returns the closure's loss when a closure is given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        self._require_engine().step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError(
+            "pyasync fixes the parameters when the DistributedOptimizer is created; add the "
+            "param group to the torch optimizer before wrapping it"
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over several backward() calls without pushing; the buckets are pushed by
+        the next backward outside the context or by step()."""
+        with self._require_engine().no_sync_ctx():
+            yield
+
+    # -- pyasync ------------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def compressor(self):
+        return self._comp
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def bucket_layouts(self):
+        """Bucket and shard layouts (engine.shards.BucketLayout), for inspection."""
+        return self._layouts
+
+    def stats(self) -> Stats:
+        """This rank's counters (see pyasync.Stats)."""
+        return self._require_engine().stats()
+
+    def close(self) -> None:
+        """Drain, keep serving slower ranks until every rank has closed, apply every outstanding push,
+        install the final parameters (equal on every rank) and stop the threads. Idempotent."""
+        if self._engine is not None:
+            self._engine.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine is None or self._engine.closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Already failing: still try to finish together, but never hide the original error.
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(
+                f"pyasync: close() after {exc_type.__name__} failed too: {e}", RuntimeWarning, stacklevel=2
+            )
+
+    def _require_engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the DistributedOptimizer was not fully constructed")
+        return self._engine
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: master values, optimizer state, residuals and clocks (tensors only, plus
+        plain numbers and strings), for pyasync's checkpoints. Call between steps."""
+        eng = self._require_engine()
+
+        def grab(ap):
+            out = {}
+            for b, s in ap.shards.items():
+                out[b] = {
+                    "master": s.master.clone(),
+                    "version": torch.tensor(s.version, dtype=torch.int64),
+                    "processed": torch.tensor(s.processed, dtype=torch.int64),
+                    "optim": {k: v.clone() for k, v in self._rule.state_tensors(s).items()},
+                }
+            return out
+
+        shards = {}
+        for part in eng.owner.call(grab, self._timeout):
+            shards.update(part)
+        return {
+            "format": 1,
+            "rank": self._rank,
+            "world_size": self._world,
+            "policy": self._policy.spec(),
+            "compression": self._comp.spec(),
+            "clock": torch.tensor(eng.clock, dtype=torch.int64),
+            "shards": {str(b): v for b, v in sorted(shards.items())},
+            "residuals": self._comp.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what state_dict() of the same rank returned (same world size, model and layout)."""
+        eng = self._require_engine()
+        if not isinstance(state_dict, dict) or "shards" not in state_dict:
+            raise TypeError("state_dict must be a dict returned by DistributedOptimizer.state_dict()")
+        if state_dict.get("world_size") != self._world or state_dict.get("rank") != self._rank:
+            raise ValueError(
+                f"state_dict is for rank {state_dict.get('rank')} of {state_dict.get('world_size')}, "
+                f"this is rank {self._rank} of {self._world}"
+            )
+        shards = state_dict["shards"]
+        owned = {str(b) for b, lay in enumerate(self._layouts) if lay.shards[self._rank].numel > 0}
+        if set(shards) != owned:
+            raise ValueError(
+                f"state_dict holds shards of buckets {sorted(shards)}, this rank owns {sorted(owned)}"
+            )
+
+        def put(ap):
+            for b, s in ap.shards.items():
+                d = shards[str(b)]
+                where = f"state_dict['shards']['{b}']"
+                if d["master"].numel() != s.master.numel():
+                    raise ValueError(
+                        f"{where}['master'] has {d['master'].numel()} elements, expected {s.master.numel()}"
+                    )
+                self._rule.load_state_tensors(s, d["optim"], where + "['optim']")
+                s.master.copy_(d["master"].reshape(-1))
+                # Versions and clocks count this engine's own traffic and are not restored.
+
+        eng.owner.call(put, self._timeout)
+        with torch.no_grad():  # this rank's own shards; the others come with the model's state_dict
+            for b, s in eng.owner.shards().items():
+                lay = self._layouts[b]
+                ops_bucketing.unflatten(
+                    s.master,
+                    [self._params[p].data for p in lay.params],
+                    lay.offsets,
+                    begin=lay.shards[self._rank].begin,
+                )
+        if "residuals" in state_dict:
+            self._comp.load_state_dict(state_dict["residuals"])
+        for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for k, v in saved.items():
+                g[k] = v
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedOptimizer({type(self.optimizer).__name__}, policy={self._policy.spec()!r}, "
+            f"compression={self._comp.spec()!r}, rank={self._rank}/{self._world})"
+        )

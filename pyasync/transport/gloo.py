@@ -1,0 +1,119 @@
+"""Gloo transport: torch.distributed point-to-point messages on private process groups.
+
+Two private groups are created from the user's group: one for the push flows (worker -> owner) and
+one for the reply flows (owner -> worker), each flow with its own tag, so the engine's traffic never
+mixes with the user's collectives nor with each other. No collective is ever issued from a background
+thread. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from pyasync.transport.base import FLOWS, Handle, Transport
+
+__all__ = ["GlooTransport"]
+
+_TAGS = {"push_hdr": 11, "push_data": 12, "reply_hdr": 21, "reply_data": 22}
+assert set(_TAGS) == set(FLOWS)
+
+#: How long a receiver thread may sit idle on one receive (between steps, during evaluation, ...).
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+class _GlooHandle(Handle):
+    def __init__(self, work: dist.Work, buf: torch.Tensor, dst: int, flow: str) -> None:
+        self.work, self.buf, self.dst, self.flow = work, buf, dst, flow
+
+    def done(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        try:
+            self.work.wait(timeout)
+        except RuntimeError as e:
+            raise TimeoutError(
+                f"send of {self.buf.numel()} bytes to rank {self.dst} on flow {self.flow} did "
+                f"not complete within {timeout}: is rank {self.dst} alive? ({e})"
+            ) from e
+
+
+class GlooTransport(Transport):
+    """Point-to-point messages over gloo among the ranks of ``process_group`` (None: the default)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(e.g. backend='gloo') on every rank before creating the DistributedOptimizer"
+            )
+        pg = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(pg)
+        self.rank = dist.get_rank(pg)
+        ranks = (
+            [dist.get_global_rank(pg, r) for r in range(self.world_size)]
+            if pg is not dist.group.WORLD
+            else list(range(self.world_size))
+        )
+        local = pg is not dist.group.WORLD
+        self._groups = {}
+        if self.world_size > 1:
+            for name in ("push", "reply"):
+                # sort_ranks=False keeps the user's group order, so rank r here is rank r there.
+                g = dist.new_group(
+                    ranks=ranks,
+                    backend="gloo",
+                    timeout=IDLE_TIMEOUT,
+                    use_local_synchronization=local,
+                    sort_ranks=False,
+                )
+                if dist.get_rank(g) != self.rank:
+                    raise RuntimeError(
+                        f"private group rank {dist.get_rank(g)} != process_group rank {self.rank}"
+                    )
+                self._groups[name] = g
+        self._closed = False
+
+    def _group(self, flow: str, sub: int = 0) -> tuple[dist.ProcessGroup, int]:
+        if sub < 0:
+            raise ValueError(f"sub-flow must be >= 0, got {sub}")
+        return self._groups[flow.split("_")[0]], _TAGS[flow] + 64 * sub
+
+    def send(self, buf: torch.Tensor, dst: int, flow: str, sub: int = 0) -> Handle:
+        g, tag = self._group(flow, sub)
+        return _GlooHandle(dist.isend(buf, group=g, group_dst=dst, tag=tag), buf, dst, flow)
+
+    def recv(
+        self,
+        buf: torch.Tensor,
+        src: int,
+        flow: str,
+        sub: int = 0,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        g, tag = self._group(flow, sub)
+        work = dist.irecv(buf, group=g, group_src=src, tag=tag)
+        work.wait(timeout if timeout is not None else IDLE_TIMEOUT)
+
+    def recv_any(self, buf: torch.Tensor, flow: str) -> int:
+        g, tag = self._group(flow)
+        work = dist.irecv(buf, group=g, tag=tag)
+        work.wait(IDLE_TIMEOUT)
+        return int(work._source_rank())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for g in self._groups.values():
+            try:
+                dist.destroy_process_group(g)
+            except Exception as e:  # noqa: BLE001 - teardown goes on; the default group may be gone
+                warnings.warn(
+                    f"pyasync: could not destroy a private gloo group: {e}", RuntimeWarning, stacklevel=2
+                )
+        self._groups = {}

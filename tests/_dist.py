@@ -1,0 +1,140 @@
+"""A small spawn helper for multi-process gloo tests (CPU).
+
+    results = run_workers(my_worker, world_size=3, args=(cfg,))   # my_worker(rank, world_size, *args)
+
+Each worker runs in a fresh process (torch.multiprocessing "spawn"), with torch.distributed initialised
+on gloo over a free localhost port, torch and the pyasync kernels limited to one thread, and returns a
+picklable value. The helper waits at most ``timeout`` seconds in all; on a failure or a timeout it
+kills the remaining workers it started and fails with every rank's traceback (or "still running").
+Worker functions must live at module level of an importable test module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "multiproc", "run_workers", "world_size"]
+
+multiproc = pytest.mark.multiproc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    fn: Callable, rank: int, world: int, port: int, args: Sequence, results, pg_timeout: float
+) -> None:
+    os.environ["PYASYNC_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            # No barrier here: a failed rank must not hang the others; the parent reports it.
+            dist.destroy_process_group()
+        buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with the worker process
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - shipped to the parent as text
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_workers(fn: Callable, world_size: int, args: Sequence = (), timeout: float = 60.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) on world_size spawned ranks; their return values by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, r, world_size, port, tuple(args), results, timeout),
+            name=f"rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if any(
+                    not p.is_alive() and p.exitcode not in (0, None) and i not in got
+                    for i, p in enumerate(procs)
+                ):
+                    time.sleep(0.2)  # let a dying rank's report reach the queue
+                    while True:
+                        try:
+                            rank, status, value = results.get_nowait()
+                            got[rank] = (status, value)
+                        except queue.Empty:
+                            break
+                    break
+                continue
+            got[rank] = (status, value)
+            if status == "error":
+                # Give the others a moment to report their own view of the failure, then stop.
+                end = time.monotonic() + min(10.0, max(0.0, deadline - time.monotonic()))
+                while len(got) < world_size and time.monotonic() < end:
+                    try:
+                        r2, s2, v2 = results.get(timeout=0.5)
+                        got[r2] = (s2, v2)
+                    except queue.Empty:
+                        pass
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+    if len(got) == world_size and all(s == "ok" for s, _ in got.values()):
+        return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
+    report = []
+    for r, p in enumerate(procs):
+        if r in got and got[r][0] == "error":
+            report.append(f"--- rank {r} failed:\n{got[r][1]}")
+        elif r in got:
+            report.append(f"--- rank {r} finished")
+        else:
+            report.append(f"--- rank {r} did not finish within {timeout:g} s (exit code {p.exitcode})")
+    pytest.fail(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(report), pytrace=False)
+
+
+@pytest.fixture(params=[2, 3], ids=lambda n: f"n{n}")
+def world_size(request) -> int:
+    """2 and 3 ranks (3 is not a power of two: uneven shards)."""
+    return request.param
