@@ -1,0 +1,172 @@
+"""``python -m pyasync.demo``: DDP against pyasync's policies with one slow worker, on one machine.
+
+Spawns ``--workers`` local processes (gloo on loopback, one thread each) per system, trains a small MLP
+on scikit-learn's digits under each system in turn, then prints a table, writes
+``OUT/accuracy_vs_time.png`` and ``OUT/results.json``. See docs/demo.md for how to read them and
+``pyasync.experiments`` for what exactly is measured and how the straggler is injected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from pyasync import experiments as h
+
+
+def _default_policies(workers: int) -> str:
+    return f"ddp,bsp,ssp:2,asp,quorum:{max(1, workers - 1)}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command-line options."""
+    p = argparse.ArgumentParser(
+        prog="python -m pyasync.demo",
+        description="Train an MLP on scikit-learn's digits with N local workers, one of them slowed, "
+        "under DDP and pyasync policies; print a table and plot test accuracy against wall-clock time.",
+    )
+    p.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
+    p.add_argument(
+        "--policies",
+        default=None,
+        help="comma list of systems: ddp, or a pyasync policy (bsp, asp, ssp:S, quorum:K, asp:inverse, "
+        "quorum:K:fold, ...) optionally with +fp16, +bf16, +int8, +sign or +topk:RATIO "
+        "(default ddp,bsp,ssp:2,asp,quorum:WORKERS-1)",
+    )
+    p.add_argument(
+        "--straggler",
+        default=None,
+        help="RANK:FACTOR makes that rank's steps FACTOR times its own compute time, or 'none' "
+        "(default 3:3; WORKERS-1:3 with fewer than 4 workers)",
+    )
+    p.add_argument(
+        "--straggler-delay-ms",
+        type=float,
+        default=None,
+        help="fix the straggler's injected delay per step (ms) instead of measuring it in the first run",
+    )
+    d = h.TrainConfig
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=d.epochs,
+        help=f"total work in passes over the training set (default {d.epochs})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"samples per step per worker (default {d.batch_size})",
+    )
+    p.add_argument(
+        "--hidden", type=int, default=d.hidden, help=f"width of the MLP's hidden layers (default {d.hidden})"
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help=f"SGD learning rate (default {d.lr})")
+    p.add_argument("--momentum", type=float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
+    p.add_argument(
+        "--seed", type=int, default=d.seed, help=f"data split, model init and batch order (default {d.seed})"
+    )
+    p.add_argument(
+        "--out", default="demo_out", help="directory for the plot and results.json (default demo_out)"
+    )
+    p.add_argument("--json", default=None, help="also write the table as a JSON list of records to this path")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="timeout of every wait in a worker (s, default 60)"
+    )
+    p.add_argument(
+        "--run-timeout", type=float, default=600.0, help="limit for one system's run (s, default 600)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """Run the demo; returns the records (also printed and written). Raises on bad options or failure."""
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    systems = h.parse_systems(args.policies or _default_policies(args.workers), args.workers)
+    straggler = h.parse_straggler(args.straggler or f"{min(3, args.workers - 1)}:3", args.workers)
+    delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
+    os.makedirs(args.out, exist_ok=True)
+
+    from tqdm.auto import tqdm
+
+    store = h.start_store_server(args.timeout)
+    records = []
+    for i, system in enumerate(systems):
+        cfg = h.TrainConfig(
+            system=system,
+            workers=args.workers,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            hidden=args.hidden,
+            lr=args.lr,
+            momentum=args.momentum,
+            seed=args.seed,
+            straggler=straggler,
+            straggler_delay_s=delay_s,
+            timeout_s=args.timeout,
+        )
+        n_train = len(h.load_digits_split(args.seed).x_train)
+        budget = args.epochs * h.steps_per_epoch(n_train, args.workers, args.batch_size) * args.workers
+        bar = tqdm(
+            total=budget * args.batch_size,
+            desc=f"{system.name:>12}",
+            unit="sample",
+            unit_scale=True,
+            disable=args.no_progress,
+            leave=True,
+            file=sys.stderr,
+        )
+
+        def advance(samples: int, bar=bar) -> None:
+            bar.update(max(0, samples - bar.n))
+
+        try:
+            record = h.run_local(
+                cfg, store, prefix=f"run{i}/", progress=advance, run_timeout_s=args.run_timeout
+            )
+        finally:
+            bar.close()
+        if straggler is not None and delay_s is None:
+            delay_s = record["straggler"]["delay_s"]  # Note [Straggler injection]: same delay for all
+        records.append(record)
+
+    print()
+    if straggler is not None:
+        print(
+            f"straggler: rank {straggler[0]} sleeps {delay_s * 1e3:.2f} ms per step "
+            + (
+                "(fixed by --straggler-delay-ms)"
+                if args.straggler_delay_ms is not None
+                else f"({straggler[1]:g}x its measured compute time)"
+            )
+        )
+    print(h.format_table(records))
+    plot = os.path.join(args.out, "accuracy_vs_time.png")
+    title = f"{args.workers} workers, " + (
+        f"rank {straggler[0]} slowed {straggler[1]:g}x" if straggler else "no straggler"
+    )
+    h.plot_curves(records, plot, title=title)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    print(
+        f"\nplot: {plot}\nresults: {os.path.join(args.out, 'results.json')}"
+        + (f", {args.json}" if args.json else "")
+    )
+    return records
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, h.WorkerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

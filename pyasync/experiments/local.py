@@ -1,0 +1,120 @@
+"""Local runs: one system trained by spawned worker processes on this machine, gloo over loopback."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pyasync.experiments.train import join_run, train_worker
+from pyasync.experiments.workload import Digits, TrainConfig, load_digits_split
+
+
+def start_store_server(timeout_s: float = 60.0) -> dist.TCPStore:
+    """A TCPStore server on a free loopback port (read ``.port``) for local runs; keep it alive."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+class WorkerError(RuntimeError):
+    """A worker process of a local run failed or the run timed out."""
+
+
+def _local_worker(rank: int, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    store = join_run(base, prefix, rank, cfg.workers, cfg.timeout_s)
+    progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
+    record = train_worker(cfg, rank, store, progress, data)
+    if rank == 0:
+        queue.put(("result", record))
+    dist.destroy_process_group()
+    # Skip the interpreter's teardown of torch (seconds per process on a loaded machine): flush what
+    # this process wrote, hand the queued result to the parent, and leave with status 0.
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_local(
+    cfg: TrainConfig,
+    store: dist.TCPStore,
+    prefix: str,
+    progress: Callable[[int], None] | None = None,
+    run_timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Train ``cfg`` with ``cfg.workers`` spawned local processes; returns rank 0's record.
+
+    ``store`` is a server from :func:`start_store_server` (kept by the caller across runs); ``prefix``
+    must be unique per run. ``progress(samples)`` is called in this process as training advances.
+    Raises :class:`WorkerError` with the worker's traceback when a worker fails, and when the run takes
+    longer than ``run_timeout_s`` seconds (the workers are terminated either way).
+    """
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(
+        _local_worker,
+        args=(cfg, load_digits_split(cfg.seed), store.port, prefix, queue),
+        nprocs=cfg.workers,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + run_timeout_s
+    record = None
+
+    def drain(wait_s: float) -> None:
+        nonlocal record
+        try:
+            msg = queue.get(timeout=wait_s)
+            while True:
+                if msg[0] == "progress" and progress is not None:
+                    progress(msg[1])
+                elif msg[0] == "result":
+                    record = msg[1]
+                msg = queue.get_nowait()
+        except queue_mod.Empty:
+            pass
+
+    try:
+        while True:
+            drain(0.2)
+            try:
+                done = procs.join(timeout=0)
+            except ProcessException as e:  # raised or exited: the others are terminated
+                raise WorkerError(f"run {cfg.system.name!r}: a worker failed: {e}") from e
+            if done:
+                break
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"run {cfg.system.name!r} did not finish within {run_timeout_s:.0f} s; workers "
+                    "terminated (raise --run-timeout if the machine is just slow)"
+                )
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in procs.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    if record is None:
+        drain(5.0)
+    if record is None:
+        raise WorkerError(f"run {cfg.system.name!r}: workers exited without a result")
+    return record

@@ -1,0 +1,333 @@
+"""The demo machinery: option parsing, data split, metrics, and small end-to-end runs.
+
+The end-to-end tests spawn 2 local gloo workers for 1 epoch (DDP and one pyasync policy), run the torchrun
+example, and check that a failing worker becomes a clear error in the parent instead of a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyasync import demo
+from pyasync import experiments as h
+from pyasync.experiments.workload import _batches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "token, policy, compression, synchronous",
+    [
+        ("ddp", None, None, True),
+        ("bsp", "bsp", None, True),
+        ("asp", "asp", None, False),
+        ("SSP:2", "ssp:2", None, False),
+        ("ssp:0", "ssp:0", None, False),
+        ("quorum:3", "quorum:3", None, False),
+        ("quorum:4:fold", "quorum:4:fold", None, False),
+        ("asp:inverse+int8", "asp:inverse", "int8", False),
+        ("ssp:1+topk:0.05", "ssp:1", "topk:0.05", False),
+        ("bsp+none", "bsp", "none", True),
+    ],
+)
+def test_parse_system(token, policy, compression, synchronous):
+    spec = h.parse_system(token, workers=4)
+    assert (spec.name, spec.policy, spec.compression, spec.synchronous) == (
+        token,
+        policy,
+        compression,
+        synchronous,
+    )
+    assert spec.is_ddp == (policy is None)
+
+
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("sgd", "unknown policy string"),
+        ("ssp", "unknown policy string"),
+        ("ssp:x", "bad policy string"),
+        ("quorum:5", "quorum size must be in 1..workers=4"),
+        ("quorum:0", "Quorum k must be"),
+        ("asp:1", "lr_scale"),
+        ("ddp+int8", "not to ddp"),
+        ("asp+zip", "unknown compression"),
+        ("asp+topk:abc", "bad value 'abc'"),
+    ],
+)
+def test_parse_system_rejects(token, message):
+    with pytest.raises(ValueError, match=message) as e:
+        h.parse_system(token, workers=4)
+    assert str(e.value).startswith(f"system {token!r}: ")
+
+
+def test_parse_systems_rejects_empty_and_duplicates():
+    assert [s.name for s in h.parse_systems("ddp, asp,ssp:2", 4)] == ["ddp", "asp", "ssp:2"]
+    with pytest.raises(ValueError, match="at least one"):
+        h.parse_systems(" , ", 4)
+    with pytest.raises(ValueError, match="unique"):
+        h.parse_systems("asp,asp", 4)
+
+
+def test_parse_straggler():
+    assert h.parse_straggler("none", 4) is None
+    assert h.parse_straggler("3:3", 4) == (3, 3.0)
+    assert h.parse_straggler("0:1.5", 2) == (0, 1.5)
+    for bad in ("4:3", "-1:2", "1:0.5", "1", "a:b", "1:inf", "1:nan"):
+        with pytest.raises(ValueError, match="RANK:FACTOR"):
+            h.parse_straggler(bad, 4)
+
+
+def test_train_config_rejects_bad_values():
+    spec = h.parse_system("ddp", 2)
+    for kw, name in [
+        ({"workers": 0}, "workers"),
+        ({"epochs": 0}, "epochs"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"momentum": -0.1}, "momentum >= 0"),
+        ({"fault": (0, 0, "boom")}, "fault kind"),
+        ({"straggler_delay_s": -1.0}, "straggler_delay_s"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            h.TrainConfig(**{"system": spec, "workers": 2, **kw})
+
+
+def test_digits_split_is_standardised_and_fixed():
+    a, b = h.load_digits_split(0), h.load_digits_split(0)
+    assert a.x_train.shape == (1437, 64) and a.x_test.shape == (360, 64)
+    assert torch.equal(a.x_train, b.x_train) and torch.equal(a.y_test, b.y_test)
+    mean, std = a.x_train.mean(0), a.x_train.std(0)
+    varying = std > 0
+    assert torch.allclose(mean, torch.zeros(64), atol=1e-5)
+    assert torch.allclose(std[varying], torch.ones(int(varying.sum())), atol=1e-4)
+    assert set(a.y_train.tolist()) == set(range(10))
+
+
+@pytest.mark.parametrize("n, world", [(1437, 4), (10, 3), (5, 5), (7, 1)])
+def test_shards_are_disjoint_and_cover(n, world):
+    shards = [h.shard_indices(n, r, world, seed=0) for r in range(world)]
+    together = torch.cat(shards)
+    assert sorted(together.tolist()) == list(range(n))
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="rank"):
+        h.shard_indices(n, world, world, seed=0)
+
+
+def test_steps_per_epoch():
+    assert h.steps_per_epoch(1437, 4, 64) == 5  # 359 samples in the smallest shard
+    assert h.steps_per_epoch(1437, 2, 32) == 22
+    with pytest.raises(ValueError, match="batch_size=400"):
+        h.steps_per_epoch(1437, 4, 400)
+
+
+def test_batches_cover_the_shard_each_pass():
+    x = torch.arange(10.0).reshape(10, 1)
+    y = torch.arange(10)
+    it = _batches(x, y, steps=3, batch_size=3, seed=1, rank=0)
+    first = [next(it) for _ in range(3)]
+    second = [next(it) for _ in range(3)]
+    for one_pass in (first, second):
+        seen = torch.cat([yb for _, yb in one_pass]).tolist()
+        assert len(set(seen)) == 9  # 3 full batches of distinct samples
+        assert all(torch.equal(xb[:, 0].long(), yb) for xb, yb in one_pass)
+    assert [b[1].tolist() for b in first] != [b[1].tolist() for b in second]  # reshuffled per pass
+
+
+def test_histogram_percentile():
+    assert h.histogram_percentile({}, 0.5) is None
+    assert h.histogram_percentile({0: 10}, 0.99) == 0
+    hist = {0: 50, 1: 30, 2: 19, 9: 1}
+    assert h.histogram_percentile(hist, 0.5) == 0
+    assert h.histogram_percentile(hist, 0.51) == 1
+    assert h.histogram_percentile(hist, 0.99) == 2
+    assert h.histogram_percentile(hist, 1.0) == 9
+
+
+def test_format_table():
+    recs = [
+        {
+            "name": "ddp",
+            "wall_s": 1.234,
+            "samples_per_s": 1000.4,
+            "test_acc": 0.96,
+            "mb_sent": 12.34,
+            "staleness_p50": None,
+            "staleness_p99": None,
+            "pushes_dropped": 0,
+        },
+        {
+            "name": "quorum:3",
+            "wall_s": 0.5,
+            "samples_per_s": 2000,
+            "test_acc": 0.9,
+            "mb_sent": 10,
+            "staleness_p50": 0,
+            "staleness_p99": 3,
+            "pushes_dropped": 7,
+        },
+    ]
+    lines = h.format_table(recs).splitlines()
+    assert lines[0].split() == [
+        "system",
+        "wall",
+        "s",
+        "samples/s",
+        "test",
+        "acc",
+        "MB",
+        "sent",
+        "stale",
+        "p50",
+        "stale",
+        "p99",
+        "dropped",
+    ]
+    assert lines[2].split() == ["ddp", "1.23", "1000", "0.9600", "12.3", "-", "-", "0"]
+    assert lines[3].split() == ["quorum:3", "0.50", "2000", "0.9000", "10.0", "0", "3", "7"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end (spawned gloo workers)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_record(r, workers, epochs, batch):
+    n_train = len(h.load_digits_split(0).x_train)
+    budget = epochs * h.steps_per_epoch(n_train, workers, batch) * workers
+    assert r["samples"] == budget * batch
+    assert sum(r["steps_per_rank"]) == budget
+    assert r["wall_s"] > 0 and r["samples_per_s"] == pytest.approx(r["samples"] / r["wall_s"])
+    assert r["replicas_equal"] is True
+    assert 0.5 < r["test_acc"] <= 1.0  # chance is 0.1; one epoch of this MLP reaches ~0.9
+    curve = r["curve"]
+    assert curve[0]["t"] == 0.0 and curve[0]["samples"] == 0
+    assert curve[-1]["t"] == pytest.approx(r["wall_s"], abs=1e-3) and curve[-1]["acc"] == r["test_acc"]
+    assert all(a["t"] <= b["t"] and a["samples"] <= b["samples"] for a, b in itertools.pairwise(curve))
+    assert r["mb_sent"] > 0
+
+
+@pytest.mark.multiproc
+def test_demo_ddp_and_pyasync(tmp_path):
+    out = tmp_path / "out"
+    table = tmp_path / "table.json"
+    workers, epochs, batch = 2, 1, 32
+    records = demo.main(
+        [
+            "--workers",
+            str(workers),
+            "--epochs",
+            str(epochs),
+            "--batch-size",
+            str(batch),
+            "--hidden",
+            "64",
+            "--policies",
+            "ddp,ssp:1",
+            "--straggler",
+            "1:2",
+            "--out",
+            str(out),
+            "--json",
+            str(table),
+            "--no-progress",
+        ]
+    )
+    saved = json.loads(table.read_text())
+    assert saved == json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in saved] == ["ddp", "ssp:1"]
+    for r in saved:
+        _check_record(r, workers, epochs, batch)
+        assert r["straggler"]["rank"] == 1 and r["straggler"]["factor"] == 2.0
+    # The delay measured in the first run is reused verbatim by the later runs.
+    assert saved[0]["straggler"]["delay_s"] > 0
+    assert saved[1]["straggler"]["delay_s"] == saved[0]["straggler"]["delay_s"]
+    ddp, ssp = saved
+    # DDP's bytes: every step all-reduces every parameter once; a ring sends 2(n-1)/n of it per rank.
+    n_params = sum(p.numel() for p in h.make_model(64, 0).parameters())
+    steps = ddp["steps_per_rank"][0]
+    assert ddp["mb_sent"] * 1e6 == pytest.approx(n_params * 4 * 2 * (workers - 1) / workers * steps * workers)
+    assert ddp["staleness_p50"] is None and ddp["pushes_dropped"] == 0
+    assert ssp["pushes_applied"] > 0 and ssp["nonfinite_skipped"] == 0
+    assert ssp["staleness_p50"] is not None and 0 <= ssp["staleness_p50"] <= ssp["staleness_p99"]
+    assert sum(int(c) for c in ssp["staleness_hist"].values()) == ssp["pushes_applied"]
+    png = (out / "accuracy_vs_time.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert records == saved
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "how, message", [("raise", "injected fault on rank 1 at step 2"), ("exit", "exit code 3")]
+)
+def test_worker_failure_is_a_clear_error(how, message):
+    cfg = h.TrainConfig(
+        system=h.parse_system("ddp", 2), workers=2, epochs=1, hidden=16, fault=(1, 2, how), timeout_s=30
+    )
+    store = h.start_store_server()
+    with pytest.raises(h.WorkerError, match=message) as e:
+        h.run_local(cfg, store, prefix="fail/", run_timeout_s=120)
+    assert "'ddp'" in str(e.value)
+
+
+@pytest.mark.multiproc
+def test_hung_worker_times_out_instead_of_hanging():
+    # Rank 1 stops answering at step 2; rank 0's all-reduce times out after timeout_s and the parent
+    # reports the failure (the run limit is far longer, so the workers' own timeout is what ends it).
+    cfg = h.TrainConfig(
+        system=h.parse_system("ddp", 2), workers=2, epochs=1, hidden=16, fault=(1, 2, "hang"), timeout_s=10
+    )
+    store = h.start_store_server()
+    with pytest.raises(h.WorkerError, match="a worker failed") as e:
+        h.run_local(cfg, store, prefix="hang/", run_timeout_s=300)
+    assert "Process 0 terminated" in str(e.value) and "timed out" in str(e.value).lower()
+
+
+@pytest.mark.multiproc
+def test_torchrun_example(tmp_path):
+    out = tmp_path / "rec.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "train_digits.py"),
+        "--policy",
+        "ddp",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--hidden",
+        "64",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rec = json.loads(out.read_text())
+    _check_record(rec, workers=2, epochs=1, batch=32)
+    assert "ddp" in proc.stdout and "replicas equal after training: True" in proc.stdout
