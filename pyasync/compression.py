@@ -219,36 +219,30 @@ class BF16(Compressor):
     name = "bf16"
 
 
-class Int8(Compressor):
+class _Blockwise(Compressor):
+    """A codec with one fp32 scale per `block` elements (int8, sign)."""
+
+    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
+        self.block = _check_block(block)
+        super().__init__(error_feedback=error_feedback)
+
+    def _args(self) -> dict[str, Any]:
+        return {"block": self.block}
+
+    def _encode_kwargs(self, n: int) -> dict[str, int]:
+        return {"block": self.block}
+
+
+class Int8(_Blockwise):
     """Blockwise absmax int8: codes in [-127, 127] and one fp32 scale per `block` elements."""
 
     name = "int8"
 
-    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
-        self.block = _check_block(block)
-        super().__init__(error_feedback=error_feedback)
 
-    def _args(self) -> dict[str, Any]:
-        return {"block": self.block}
-
-    def _encode_kwargs(self, n: int) -> dict[str, int]:
-        return {"block": self.block}
-
-
-class Sign(Compressor):
+class Sign(_Blockwise):
     """1 bit per element (the sign) and one fp32 scale (mean |v|) per `block` elements."""
 
     name = "sign"
-
-    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
-        self.block = _check_block(block)
-        super().__init__(error_feedback=error_feedback)
-
-    def _args(self) -> dict[str, Any]:
-        return {"block": self.block}
-
-    def _encode_kwargs(self, n: int) -> dict[str, int]:
-        return {"block": self.block}
 
 
 class TopK(Compressor):
