@@ -17,6 +17,8 @@ gets its answers through a callback.
 
 from __future__ import annotations
 
+import datetime
+
 import queue
 import threading
 from collections.abc import Callable
@@ -45,6 +47,25 @@ class Reply:
     values: torch.Tensor  # fp32 shard values
     clocks: list[int]  # per worker: highest clock fully included in values
     final: bool = False  # the owner's last word on this shard (after every rank closed)
+
+
+#: Sends a thread keeps in flight before it retires the oldest ones.
+MAX_INFLIGHT = 64
+
+
+def retire_sends(handles: list[Handle], timeout: datetime.timedelta) -> None:
+    """Bound the sends a thread keeps in flight (and the buffers they pin): past MAX_INFLIGHT, wait for
+    the oldest ones (sent at least MAX_INFLIGHT / 2 messages ago, so done or about to be) and drop them.
+
+    Gloo's send handles report completion only through wait() (``is_completed`` stays False), so
+    filtering on ``done()`` would never free a buffer and would rescan an ever longer list after every
+    message. A peer that stopped receiving makes the wait raise TimeoutError naming it."""
+    if len(handles) <= MAX_INFLIGHT:
+        return
+    cut = len(handles) - MAX_INFLIGHT // 2
+    for h in handles[:cut]:
+        h.wait(timeout)
+    del handles[:cut]
 
 
 class _Counters:
@@ -93,7 +114,7 @@ class _Applier(threading.Thread):
                         h.wait(deadline)
                     self.handles = []
                     return
-                self.handles = [h for h in self.handles if not h.done()]
+                retire_sends(self.handles, self.owner.timeout)
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.owner.fail(f"applier thread {self.name}", e)
 
@@ -115,8 +136,10 @@ class Owner:
         deliver_local: Callable[[Reply], None],
         fail: Callable[[str, BaseException], None],
         num_appliers: int = 2,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=60),
     ) -> None:
         self.rank, self.n = rank, world_size
+        self.timeout = timeout  # for retiring sends (a peer that stopped receiving)
         self.policy, self.rule, self.transport, self.spec = policy, rule, transport, spec
         self.deliver_local = deliver_local
         self.fail = fail

@@ -30,6 +30,7 @@ sender and the field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,9 @@ _CODE_DTYPES = {
     "sign": torch.uint8,
     "topk": torch.float32,
 }
+
+
+_ELEM_SIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in set(_CODE_DTYPES.values()) | {torch.int32, torch.int64}}
 
 
 class WireError(ValueError):
@@ -210,40 +214,56 @@ def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def push_parts(codec: str, n: int, block: int, k: int, mask_len: int) -> tuple[list[tuple], int]:
-    """[(name, dtype, numel, byte offset)] of a push payload and its total bytes."""
+def push_parts(codec: str, n: int, block: int, k: int, mask_len: int) -> tuple[tuple[tuple, ...], int]:
+    """[(name, dtype, numel, byte offset)] of a push payload and its total bytes (cached: the same
+    few layouts recur every step)."""
+    if codec not in _CODE_DTYPES:
+        raise WireError(f"unknown codec {codec!r}")
+    return _push_parts(codec, n, block, k, mask_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def _push_parts(codec: str, n: int, block: int, k: int, mask_len: int) -> tuple[tuple[tuple, ...], int]:
     if codec in ("none", "fp16", "bf16"):
         shapes = [("codes", _CODE_DTYPES[codec], n)]
     elif codec == "int8":
         shapes = [("codes", torch.int8, n), ("scales", torch.float32, -(-n // block))]
     elif codec == "sign":
         shapes = [("codes", torch.uint8, -(-n // 8)), ("scales", torch.float32, -(-n // block))]
-    elif codec == "topk":
+    else:  # topk
         shapes = [("codes", torch.float32, k), ("indices", torch.int32, k)]
-    else:
-        raise WireError(f"unknown codec {codec!r}")
     shapes.append(("mask", torch.uint8, mask_len))
     parts, off = [], 0
     for name, dt, numel in shapes:
         parts.append((name, dt, numel, off))
-        off = _pad(off + numel * torch.empty((), dtype=dt).element_size())
-    return parts, off
+        off = _pad(off + numel * _ELEM_SIZE[dt])
+    return tuple(parts), off
 
 
-def reply_parts(n: int, world_size: int) -> tuple[list[tuple], int]:
+@functools.lru_cache(maxsize=4096)
+def reply_parts(n: int, world_size: int) -> tuple[tuple[tuple, ...], int]:
     values = _pad(4 * n)
-    return [
+    return (
         ("values", torch.float32, n, 0),
         ("clocks", torch.int64, world_size, values),
-    ], values + 8 * world_size
+    ), values + 8 * world_size
 
 
-def _views(buf: torch.Tensor, parts: list[tuple]) -> dict[str, torch.Tensor]:
+def _views(buf: torch.Tensor, parts: Sequence[tuple]) -> dict[str, torch.Tensor]:
     out = {}
     for name, dt, numel, off in parts:
-        size = numel * torch.empty((), dtype=dt).element_size()
-        out[name] = buf[off : off + size].view(dt)
+        out[name] = buf[off : off + numel * _ELEM_SIZE[dt]].view(dt)
     return out
+
+
+def _zero_padding(buf: torch.Tensor, parts: Sequence[tuple], total: int) -> None:
+    """Zero the alignment gaps between parts (and after the last one) of a freshly allocated buffer,
+    so no stale process memory goes on the wire; the parts themselves are overwritten by the caller."""
+    for i, (_, dt, numel, off) in enumerate(parts):
+        end = off + numel * _ELEM_SIZE[dt]
+        nxt = parts[i + 1][3] if i + 1 < len(parts) else total
+        if nxt > end:
+            buf[end:nxt].zero_()
 
 
 def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
@@ -262,8 +282,8 @@ def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
 def pack_push(payload: Payload, mask: torch.Tensor, *, device: torch.device | None = None) -> torch.Tensor:
     """One uint8 buffer holding the payload tensors and the mask (see push_parts)."""
     parts, total = push_parts(payload.codec, payload.n, payload.block, payload.k, mask.numel())
-    # zeros, not empty: the alignment padding between parts must not carry stale process memory.
-    buf = torch.zeros(total, dtype=torch.uint8, device=device if device is not None else payload.device)
+    buf = torch.empty(total, dtype=torch.uint8, device=device if device is not None else payload.device)
+    _zero_padding(buf, parts, total)  # the alignment padding must not carry stale process memory
     views = _views(buf, parts)
     src = {"codes": payload.codes, "scales": payload.scales, "indices": payload.indices, "mask": mask}
     for name, v in views.items():
@@ -305,7 +325,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def pack_reply(values: torch.Tensor, clocks: Sequence[int]) -> torch.Tensor:
     parts, total = reply_parts(values.numel(), len(clocks))
-    buf = torch.zeros(total, dtype=torch.uint8, device=values.device)  # no stale bytes in the padding
+    buf = torch.empty(total, dtype=torch.uint8, device=values.device)
+    _zero_padding(buf, parts, total)  # no stale bytes in the padding
     v = _views(buf, parts)
     v["values"].copy_(values.reshape(-1))
     v["clocks"].copy_(torch.tensor(list(clocks), dtype=torch.int64))

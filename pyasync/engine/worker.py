@@ -26,7 +26,7 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.clock import EngineError, wait_until
-from pyasync.engine.owner import Owner, Reply
+from pyasync.engine.owner import Owner, Reply, retire_sends
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
@@ -135,6 +135,7 @@ class Engine:
             deliver_local=self._deliver,
             fail=self.fail,
             num_appliers=num_appliers,
+            timeout=timeout,
         )
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: list[Handle] = []
@@ -253,7 +254,7 @@ class Engine:
                         self._push_bucket(b, clock, grads, has, versions)
                 else:
                     self._push_bucket(b, clock, grads, has, versions)
-                self.handles = [h for h in self.handles if not h.done()]
+                retire_sends(self.handles, self.timeout)
                 with self.cond:
                     self.packed += 1
                     self.cond.notify_all()

@@ -28,13 +28,18 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)
 class _GlooHandle(Handle):
     def __init__(self, work: dist.Work, buf: torch.Tensor, dst: int, flow: str) -> None:
         self.work, self.buf, self.dst, self.flow = work, buf, dst, flow
+        self._waited = False
 
     def done(self) -> bool:
-        return self.work.is_completed()
+        # Gloo send work reports completion only once wait() has returned.
+        return self._waited or self.work.is_completed()
 
     def wait(self, timeout: datetime.timedelta) -> None:
+        if self._waited:
+            return
         try:
             self.work.wait(timeout)
+            self._waited = True
         except RuntimeError as e:
             raise TimeoutError(
                 f"send of {self.buf.numel()} bytes to rank {self.dst} on flow {self.flow} did "
@@ -83,9 +88,21 @@ class GlooTransport(Transport):
             raise ValueError(f"sub-flow must be >= 0, got {sub}")
         return self._groups[flow.split("_")[0]], _TAGS[flow] + 64 * sub
 
+    # The ProcessGroup's own send/recv take group ranks and skip torch.distributed's per-call Python
+    # checks (group lookup, rank translation, membership): this rank is always a member of its
+    # private groups, and every buffer is a contiguous CPU tensor (checked here, cheaply).
+    @staticmethod
+    def _check_buf(buf: torch.Tensor) -> None:
+        if buf.device.type != "cpu" or not buf.is_contiguous() or buf.is_complex():
+            raise ValueError(
+                f"gloo transport buffers must be contiguous real CPU tensors, got {buf.dtype} on "
+                f"{buf.device} (contiguous={buf.is_contiguous()}): stage device tensors through the host"
+            )
+
     def send(self, buf: torch.Tensor, dst: int, flow: str, sub: int = 0) -> Handle:
         g, tag = self._group(flow, sub)
-        return _GlooHandle(dist.isend(buf, group=g, group_dst=dst, tag=tag), buf, dst, flow)
+        self._check_buf(buf)
+        return _GlooHandle(g.send([buf], dst, tag), buf, dst, flow)
 
     def recv(
         self,
@@ -96,12 +113,14 @@ class GlooTransport(Transport):
         timeout: datetime.timedelta | None = None,
     ) -> None:
         g, tag = self._group(flow, sub)
-        work = dist.irecv(buf, group=g, group_src=src, tag=tag)
+        self._check_buf(buf)
+        work = g.recv([buf], src, tag)
         work.wait(timeout if timeout is not None else IDLE_TIMEOUT)
 
     def recv_any(self, buf: torch.Tensor, flow: str) -> int:
         g, tag = self._group(flow)
-        work = dist.irecv(buf, group=g, tag=tag)
+        self._check_buf(buf)
+        work = g.recv_anysource([buf], tag)
         work.wait(IDLE_TIMEOUT)
         return int(work._source_rank())
 

@@ -1,0 +1,169 @@
+"""Engine step-time benchmark: DDP against pyasync (BSP, ASP, ...) on the same model, gloo, one machine.
+
+Each mode runs in its own set of ``--ranks`` processes (gloo, ``torch.set_num_threads(--threads)``):
+an MLP 64-256-256-10 (~85K fp32 parameters, one bucket) on a fixed random batch, plain SGD. After
+``--warmup`` untimed steps and a barrier, every rank times ``--steps`` steps
+(``zero_grad``/forward/backward/``step``) with ``time.perf_counter`` and measures its process CPU time
+(all threads: training thread, engine threads, gloo's threads) with ``time.process_time``. The figure
+of a mode is the slowest rank's wall time per step (the job moves at the pace of its slowest rank) and
+the mean CPU per rank per step. Modes run one after the other, so background load on a shared machine
+hits them unevenly: repeat with ``--rounds`` (modes interleaved round-robin) and read the medians.
+
+    python bench/engine.py --out engine.json                 # ddp, bsp, asp; 4 ranks; 3 rounds
+    python bench/engine.py --modes ddp,bsp,ssp:1,asp --steps 300 --rounds 5
+
+Output: a table on stdout and, with ``--out``, a JSON list with one record per mode (median over
+rounds, every round's figures, the machine and the command line), see bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.use_source_tree()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, out) -> None:
+    import pyasync
+
+    torch.set_num_threads(args.threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = _model()
+    if mode == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    else:
+        net = model
+        opt = pyasync.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), policy=mode, timeout=datetime.timedelta(seconds=120)
+        )
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 64, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    rec: dict[str, Any] = {"rank": rank, "ms_per_step": 1e3 * wall / args.steps, "cpu_ms_per_step": 1e3 * cpu / args.steps}
+    if mode != "ddp":
+        st = opt.stats()
+        rec["bytes_sent_per_step"] = st.bytes_sent / st.clock if st.clock else None
+        opt.close()
+    out.put(rec)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One round of one mode: ``args.ranks`` processes; returns the slowest rank's ms/step, the mean
+    CPU ms per rank per step and the per-rank records."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.start_processes(
+        _rank_main, args=(args.ranks, _free_port(), mode, args, q), nprocs=args.ranks, start_method="spawn"
+    )
+    recs = sorted((q.get() for _ in range(args.ranks)), key=lambda r: r["rank"])
+    return {
+        "ms_per_step": max(r["ms_per_step"] for r in recs),
+        "cpu_ms_per_rank_step": statistics.mean(r["cpu_ms_per_step"] for r in recs),
+        "ranks": recs,
+        "loadavg": common.loadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="ddp,bsp,asp", help="comma-separated: ddp or a pyasync policy spec")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per round")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed steps before the barrier")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, modes interleaved; medians reported")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    ap.add_argument("--out", default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+    for name in ("ranks", "steps", "rounds", "batch", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        ap.error("--modes is empty: give e.g. ddp,bsp,asp")
+    rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for i in range(args.rounds):
+        for m in modes:
+            r = run_mode(m, args)
+            rounds[m].append(r)
+            print(f"round {i + 1}/{args.rounds} {m:>8}: {r['ms_per_step']:7.2f} ms/step, "
+                  f"{r['cpu_ms_per_rank_step']:6.2f} CPU ms/rank/step (load {r['loadavg']})", flush=True)
+    machine, cmd = common.machine_info("cpu"), common.command_line()
+    records = []
+    for m in modes:
+        rs = rounds[m]
+        records.append(
+            {
+                "bench": "engine",
+                "mode": m,
+                "ranks": args.ranks,
+                "steps": args.steps,
+                "batch": args.batch,
+                "threads": args.threads,
+                "model": "mlp 64-256-256-10, sgd",
+                "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+                "cpu_ms_per_rank_step": statistics.median(r["cpu_ms_per_rank_step"] for r in rs),
+                "rounds": rs,
+                "machine": machine,
+                "command": cmd,
+            }
+        )
+    print(common.format_table(records, [("mode", "mode"), ("ms_per_step", "ms/step"), ("cpu_ms_per_rank_step", "CPU ms/rank/step")]))
+    common.write_results(args.out, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
