@@ -10,6 +10,7 @@ actionable error instead (see pyasync._ext).
 __version__ = "0.1.0"
 
 from pyasync import compression
+from pyasync.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pyasync.engine.stats import Stats
 from pyasync.optimizer import DistributedOptimizer
 from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
@@ -17,11 +18,14 @@ from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
 __all__ = [
     "ASP",
     "BSP",
+    "CheckpointError",
     "SSP",
     "DistributedOptimizer",
     "Policy",
     "Quorum",
     "Stats",
     "compression",
+    "load_checkpoint",
     "parse_policy",
+    "save_checkpoint",
 ]

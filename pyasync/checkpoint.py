@@ -1,0 +1,581 @@
+"""Sharded checkpoints: one file per rank (its shard) plus a JSON manifest that commits them.
+
+    pyasync.save_checkpoint("ckpt/step1000", opt)     # every rank, between steps
+    pyasync.load_checkpoint("ckpt/step1000", opt)     # every rank, on a fresh optimizer of the same model
+
+Directory layout (see docs/reliability.md, "Checkpoints"):
+
+    manifest.json                          written last by rank 0; its presence commits the checkpoint
+    shard-<save id>-r<rank>-of-<n>.pt      rank r's DistributedOptimizer.state_dict() (torch.save)
+
+Note [Checkpoint atomicity]
+Every file is written to a temporary name in the same directory, fsync'ed, then os.replace'd into
+place, and the directory is fsync'ed. Shard file names carry a fresh random save id, so a new save
+never overwrites the shard files that the current manifest names: until rank 0 replaces the manifest
+(after every rank reported its shard written, with its sha256), the previous checkpoint stays whole
+and loadable. Only after the new manifest is in place does rank 0 delete shard files it no longer
+names. A crash at any point leaves either the old or the new checkpoint, never a mix.
+
+Note [Checkpoint validation]
+Loading never unpickles: the manifest is JSON, shard files go through torch.load(weights_only=True)
+from the very bytes whose sha256 was checked. Each rank validates everything it will load (manifest
+format, world size, parameter names/shapes/dtypes, bucket layout, policy, compression, optimizer,
+checksum, shard structure and sizes) before touching the optimizer; the ranks then exchange an "ok"
+flag (all_gather on the optimizer's process group) and nothing is loaded unless every rank is ok.
+
+Note [Re-sharding]
+A checkpoint saved by n ranks loads into m != n ranks when the optimizer uses a fused rule (SGD,
+Adam, AdamW): bucket assignment does not depend on the world size, only the shard bounds do. Every
+rank reads (and checks) all n shard files, concatenates each bucket's master values and optimizer
+state tensors in rank order into the whole bucket, and cuts out its new shard; each new segment takes
+the step count of the old segment that holds its first element (all segments of one parameter step
+together). Error-feedback residuals belong to the n old workers and have no meaning for m new ones:
+they restart from zero (with compression, the first steps after a re-sharded load differ from an
+uninterrupted run by the dropped residuals). Versions and clocks restart from zero as always.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pyasync.optimizer import DistributedOptimizer
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "pyasync-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_SHARD_RE = re.compile(r"^shard-[0-9a-f]{16}-r\d+-of-\d+\.pt$")
+_TMP_PREFIX = ".pyasync-tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded (missing, truncated, corrupt, foreign, mismatched)."""
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def _check_args(path: Any, opt: Any, what: str) -> str:
+    if not isinstance(opt, DistributedOptimizer):
+        raise TypeError(f"{what}: opt must be a pyasync.DistributedOptimizer, got {type(opt).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a str or os.PathLike directory, got {type(path).__name__}")
+    if opt.closed:
+        raise RuntimeError(
+            f"{what}: the DistributedOptimizer is closed; save or load before close() (a closed "
+            "optimizer's owner threads are stopped)"
+        )
+    return os.fspath(path)
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds: the rename itself is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temporary file in the same directory, fsync, os.replace,
+    fsync of the directory. See Note [Checkpoint atomicity]."""
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(d)
+
+
+def _layout(opt: DistributedOptimizer) -> dict[str, Any]:
+    """What must match between the saving and the loading optimizer (JSON-able)."""
+    return {
+        "parameters": [
+            {"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+            for n, p in zip(opt._names, opt._params)
+        ],
+        "buckets": [
+            {
+                "params": list(lay.params),
+                "numel": lay.numel,
+                "shard_bounds": [s.begin for s in lay.shards] + [lay.numel],
+            }
+            for lay in opt.bucket_layouts
+        ],
+        "optimizer": list(opt._rule.describe()),
+    }
+
+
+def _shard_name(save_id: str, rank: int, world: int) -> str:
+    return f"shard-{save_id}-r{rank}-of-{world}.pt"
+
+
+def _global_src(opt: DistributedOptimizer) -> int:
+    return dist.get_global_rank(opt._group, 0) if opt._group is not None else 0
+
+
+def _drain(opt: DistributedOptimizer) -> None:
+    """Wait until every push made before this save (by any rank) has been processed by the shards this
+    rank owns: processed[w] == clock of worker w for every owned shard. See Note [Checkpoint drain].
+
+    Note [Checkpoint drain]
+    The engine offers no drain short of close(). Every rank's clock (completed steps; each step pushes
+    every bucket once) is exchanged with an all_gather, then each rank asks its applier threads, with
+    Owner.call (which runs between pushes, in queue order), whether each owned shard has processed
+    that many pushes from every worker; pushes still on the network are not queued yet, so it asks
+    again until they are (bounded by the optimizer's timeout). Under BSP this returns at once: a step
+    only returns once every owner applied that clock. Under SSP/ASP a processed push is an applied
+    push, so the checkpoint holds every push made before the save. Under Quorum(k < n) a processed
+    late push may be dropped by policy or, with late="fold", wait in the next aggregate, which is not
+    saved.
+    """
+    eng = opt._require_engine()
+    world = opt.world_size
+    mine = torch.tensor([eng.clock], dtype=torch.int64)
+    clocks = [torch.zeros_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(clocks, mine, group=opt._group)
+    else:
+        clocks = [mine]
+    want = [int(c.item()) for c in clocks]
+
+    def behind(ap) -> list[tuple[int, int, int]]:
+        return [
+            (b, w, s.processed[w])
+            for b, s in ap.shards.items()
+            for w in range(world)
+            if s.processed[w] < want[w]
+        ]
+
+    deadline = time.monotonic() + opt._timeout.total_seconds()
+    while True:
+        late = [x for part in eng.owner.call(behind, opt._timeout) for x in part]
+        if not late:
+            return
+        eng.check()  # a failed engine thread raises its error instead of waiting out the timeout
+        if time.monotonic() > deadline:
+            b, w, got = late[0]
+            raise TimeoutError(
+                f"save_checkpoint: bucket {b}'s shard on rank {opt.rank} has processed {got} pushes "
+                f"from rank {w}, which has made {want[w]}, after {opt._timeout}"
+            )
+        threading.Event().wait(0.001)  # let the receiver thread queue the pushes still on the wire
+
+
+# -- save -----------------------------------------------------------------------------------------------
+def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
+    """Save ``opt`` (every rank's shard: fp32 master values, optimizer state, error-feedback residuals,
+    clocks and versions) into the directory ``path``. Collective: call on every rank of the
+    optimizer's process group, between steps (after ``step()`` returned, before the next backward).
+
+    The save first drains (waits at most the optimizer's timeout, in seconds of wall time): every push
+    any rank made before the save is processed by its owner. Under BSP, Quorum(n), SSP and ASP every
+    such push is then applied and in the checkpoint; under Quorum(k < n) a late push may be dropped by
+    policy or wait, folded, in an aggregate that is not saved. See Note [Checkpoint drain] and
+    docs/reliability.md.
+
+    Raises CheckpointError on every rank when any rank failed to write its file (the previous
+    checkpoint in ``path``, if any, is then left as it was).
+    """
+    d = _check_args(path, opt, "save_checkpoint")
+    rank, world, group = opt.rank, opt.world_size, opt._group
+
+    # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
+    sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
+    if world > 1:
+        dist.broadcast(sid, src=_global_src(opt), group=group)
+    save_id = f"{int(sid.item()):016x}"
+    fname = _shard_name(save_id, rank, world)
+
+    err = ""
+    digest, size = b"\0" * 32, 0
+    clock = opt._require_engine().clock
+    try:
+        _drain(opt)  # its all_gather comes first, so a rank that fails here still reaches the next one
+        sd = opt.state_dict()
+        os.makedirs(d, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        data = buf.getvalue()
+        digest, size = hashlib.sha256(data).digest(), len(data)
+        _atomic_write(os.path.join(d, fname), data)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        err = f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
+
+    # Gather (ok, size, clock, sha256) from every rank. This also makes the save a barrier: no rank
+    # pushes for its next step before every owner has taken its state.
+    mine = torch.zeros(7, dtype=torch.int64)
+    mine[0], mine[1], mine[2] = int(not err), size, clock
+    mine[3:] = torch.frombuffer(bytearray(digest), dtype=torch.int64)
+    table = [torch.zeros_like(mine) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(table, mine, group=group)
+    else:
+        table = [mine]
+    failed = [r for r in range(world) if int(table[r][0]) != 1]
+    if failed:
+        if not err:  # this rank's file is an orphan now: the manifest will not name it
+            try:
+                os.unlink(os.path.join(d, fname))
+            except OSError:
+                pass
+        raise CheckpointError(
+            err or f"save_checkpoint({d!r}): rank(s) {failed} could not write their shard file (see their "
+            "error); the previous checkpoint in this directory, if any, is unchanged"
+        )
+
+    # Rank 0 commits with the manifest; the others learn whether it worked.
+    commit_err = ""
+    if rank == 0:
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "world_size": world,
+            "save_id": save_id,
+            "policy": opt.policy.spec(),
+            "compression": opt.compressor.spec(),
+            "torch_version": torch.__version__,
+            "clocks": [int(t[2]) for t in table],
+            **_layout(opt),
+            "shards": [
+                {
+                    "rank": r,
+                    "file": _shard_name(save_id, r, world),
+                    "bytes": int(table[r][1]),
+                    "sha256": table[r][3:].numpy().tobytes().hex(),
+                }
+                for r in range(world)
+            ],
+        }
+        try:
+            _atomic_write(os.path.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
+        except Exception as e:  # noqa: BLE001
+            commit_err = f"rank 0 could not write {os.path.join(d, MANIFEST)}: {type(e).__name__}: {e}"
+    flag = torch.tensor([int(not commit_err)], dtype=torch.int64)
+    if world > 1:
+        dist.broadcast(flag, src=_global_src(opt), group=group)
+    if int(flag.item()) != 1:
+        # The new shard files are orphans; the old manifest (if any) still names the old, intact ones.
+        try:
+            os.unlink(os.path.join(d, fname))
+        except OSError:
+            pass
+        raise CheckpointError(
+            (commit_err or f"save_checkpoint: rank 0 could not write {os.path.join(d, MANIFEST)}")
+            + "; the previous checkpoint in this directory, if any, is unchanged"
+        )
+    if rank == 0:  # committed: remove what the manifest no longer names (best effort)
+        keep = {_shard_name(save_id, r, world) for r in range(world)}
+        for f in os.listdir(d):
+            # Shard files of older or failed saves, temporary files of crashed ones.
+            if (_SHARD_RE.match(f) and f not in keep) or f.startswith(_TMP_PREFIX):
+                try:
+                    os.unlink(os.path.join(d, f))
+                except OSError:
+                    pass
+
+
+# -- load -----------------------------------------------------------------------------------------------
+def _read_manifest(d: str) -> dict[str, Any]:
+    mpath = os.path.join(d, MANIFEST)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: no such checkpoint directory")
+    if not os.path.isfile(mpath):
+        raise CheckpointError(
+            f"{mpath}: missing; {d} is not a (committed) pyasync checkpoint (the manifest is written last)"
+        )
+    try:
+        with open(mpath, "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: not valid JSON (truncated or not a pyasync manifest): {e}") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: not a pyasync checkpoint manifest (no \"format\": \"{FORMAT}\")")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{mpath}: format version {m.get('format_version')!r}, this pyasync reads {FORMAT_VERSION}"
+        )
+    for key, typ in (("world_size", int), ("shards", list), ("parameters", list), ("buckets", list)):
+        if not isinstance(m.get(key), typ):
+            raise CheckpointError(f"{mpath}: field {key!r} missing or not a {typ.__name__}")
+    return m
+
+
+def _strip_bounds(b: Any) -> Any:
+    return {k: v for k, v in b.items() if k != "shard_bounds"} if isinstance(b, dict) else b
+
+
+def _compare(mpath: str, m: dict[str, Any], opt: DistributedOptimizer) -> None:
+    mine = _layout(opt)
+    if m["world_size"] != opt.world_size:
+        if not opt._rule.fused:
+            raise CheckpointError(
+                f"{mpath}: saved by {m['world_size']} ranks, this run has {opt.world_size}; re-sharding to "
+                "another world size is supported for SGD, Adam and AdamW only (this optimizer runs "
+                "the generic rule)"
+            )
+        if not isinstance(m["world_size"], int) or m["world_size"] < 1:
+            raise CheckpointError(f"{mpath}: world_size {m['world_size']!r} is not a positive int")
+        # Re-sharding: the shard bounds differ by construction; the buckets themselves must not.
+        m = dict(m, buckets=[_strip_bounds(b) for b in m["buckets"]])
+        mine["buckets"] = [_strip_bounds(b) for b in mine["buckets"]]
+    for key in ("parameters", "buckets", "optimizer"):
+        a, b = m.get(key), mine[key]
+        if a != b:
+            where = ""
+            if isinstance(a, list):
+                i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+                where = (
+                    f" at entry {i}: checkpoint has {a[i] if i < len(a) else '(nothing)'}, this optimizer "
+                    f"has {b[i] if i < len(b) else '(nothing)'}"
+                )
+            raise CheckpointError(
+                f"{mpath}: the {key} differ from this optimizer's{where}; build the same model, optimizer "
+                "and bucket_cap_mb as when saving"
+            )
+    for key, have in (("policy", opt.policy.spec()), ("compression", opt.compressor.spec())):
+        if m.get(key) != have:
+            raise CheckpointError(
+                f"{mpath}: saved with {key} {m.get(key)!r}, this optimizer uses {have!r}; use the same {key}"
+            )
+
+
+def _check_tensor(fpath: str, where: str, t: Any, numel: int | None, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.is_sparse:
+        got = getattr(t, "dtype", type(t).__name__)
+        raise CheckpointError(f"{fpath}: {where} must be a dense {dtype} tensor, got {got}")
+    if numel is not None and t.numel() != numel:
+        raise CheckpointError(f"{fpath}: {where} has {t.numel()} elements, expected {numel}")
+
+
+def _check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, world: int, layouts) -> None:
+    """Everything DistributedOptimizer.load_state_dict will read (for shard ``rank`` of ``world`` of
+    ``layouts``), checked before it runs."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("shards"), dict):
+        raise CheckpointError(f"{fpath}: not a pyasync shard (no 'shards' dict)")
+    if sd.get("rank") != rank or sd.get("world_size") != world:
+        raise CheckpointError(
+            f"{fpath}: holds rank {sd.get('rank')} of {sd.get('world_size')}, expected rank {rank} of {world}"
+        )
+    owned = {str(b): lay.shards[rank] for b, lay in enumerate(layouts) if lay.shards[rank].numel > 0}
+    if set(sd["shards"]) != set(owned):
+        raise CheckpointError(
+            f"{fpath}: holds buckets {sorted(sd['shards'])}, this rank owns {sorted(owned)}"
+        )
+    for b, sh in owned.items():
+        d = sd["shards"][b]
+        w = f"shards[{b}]"
+        if not isinstance(d, dict) or not isinstance(d.get("optim"), dict):
+            raise CheckpointError(f"{fpath}: {w} is not a shard dict")
+        _check_tensor(fpath, f"{w}['master']", d.get("master"), sh.numel, torch.float32)
+        o = d["optim"]
+        _check_tensor(fpath, f"{w}['optim']['steps']", o.get("steps"), len(sh.segments), torch.int64)
+        for k, t in o.items():
+            if k in ("state1", "state2"):
+                _check_tensor(fpath, f"{w}['optim'][{k!r}]", t, sh.numel, torch.float32)
+            elif k != "steps" and not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{fpath}: {w}['optim'][{k!r}] is not a tensor")
+    res = sd.get("residuals", {})
+    if not isinstance(res, dict):
+        raise CheckpointError(f"{fpath}: 'residuals' is not a dict")
+    for k, t in res.items():
+        ok = (
+            isinstance(k, tuple)
+            and len(k) == 2
+            and all(isinstance(x, int) for x in k)
+            and 0 <= k[0] < len(layouts)
+            and 0 <= k[1] < world
+        )
+        if not ok:
+            raise CheckpointError(f"{fpath}: residual key {k!r} is not a (bucket, rank) of this layout")
+        _check_tensor(fpath, f"residuals[{k}]", t, layouts[k[0]].shards[k[1]].numel, torch.float32)
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"{fpath}: expected {len(opt.param_groups)} param_groups")
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or set(g) != {k for k in opt.param_groups[i] if k != "params"}:
+            raise CheckpointError(f"{fpath}: param_groups[{i}] has different keys than this optimizer's")
+
+
+def _validate(d: str, opt: DistributedOptimizer) -> dict:
+    """This rank's state dict from checkpoint ``d``, fully checked; CheckpointError otherwise."""
+    m = _read_manifest(d)
+    mpath = os.path.join(d, MANIFEST)
+    _compare(mpath, m, opt)
+    if m["world_size"] == opt.world_size:
+        return _read_shard(d, mpath, m, opt.rank, opt, opt.world_size)
+    return _reshard(d, mpath, m, opt)
+
+
+def _read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer, world: int) -> dict:
+    """Rank ``rank``'s (of ``world``) shard file: size, sha256, weights_only load, structure."""
+    entry = next((s for s in m["shards"] if isinstance(s, dict) and s.get("rank") == rank), None)
+    if entry is None or not isinstance(entry.get("file"), str) or not _SHARD_RE.match(entry["file"]):
+        raise CheckpointError(f"{mpath}: no valid shard entry for rank {rank}")
+    fpath = os.path.join(d, entry["file"])
+    try:
+        with open(fpath, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{fpath}: cannot read the shard file named by the manifest: {e}") from e
+    if len(data) != entry.get("bytes"):
+        raise CheckpointError(
+            f"{fpath}: {len(data)} bytes, the manifest says {entry.get('bytes')} (truncated or replaced)"
+        )
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise CheckpointError(f"{fpath}: sha256 checksum mismatch (the file is corrupt)")
+    try:
+        sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
+        raise CheckpointError(f"{fpath}: cannot be loaded with weights_only=True: {e}") from e
+    layouts = opt.bucket_layouts if world == opt.world_size else _layouts_for(opt, world)
+    _check_state(fpath, sd, opt, rank, world, layouts)
+    return sd
+
+
+def _layouts_for(opt: DistributedOptimizer, world: int) -> list:
+    """This optimizer's buckets cut into ``world`` shards (the saving run's layout when re-sharding)."""
+    from pyasync.engine.shards import build_layout
+
+    numels = [p.numel() for p in opt._params]
+    groups = [0] * len(numels)
+    for lay in opt.bucket_layouts:
+        for sh in lay.shards:
+            for seg in sh.segments:
+                groups[seg.param] = seg.group
+    return build_layout([lay.params for lay in opt.bucket_layouts], numels, groups, world)
+
+
+def _reshard(d: str, mpath: str, m: dict, opt: DistributedOptimizer) -> dict:
+    """This rank's state dict assembled from every shard file of a checkpoint saved by another number
+    of ranks. See Note [Re-sharding]."""
+    old_world = m["world_size"]
+    old_layouts = _layouts_for(opt, old_world)
+    sds = [_read_shard(d, mpath, m, r, opt, old_world) for r in range(old_world)]
+    out_shards = {}
+    for b, lay in enumerate(opt.bucket_layouts):
+        new = lay.shards[opt.rank]
+        if new.numel == 0:
+            continue
+        parts = [(r, sh) for r, sh in enumerate(old_layouts[b].shards) if sh.numel > 0]
+        full: dict[str, torch.Tensor] = {}
+        keys = set(sds[parts[0][0]]["shards"][str(b)]["optim"]) - {"steps"}
+        for r, _ in parts:
+            if set(sds[r]["shards"][str(b)]["optim"]) - {"steps"} != keys:
+                raise CheckpointError(f"{mpath}: bucket {b}'s shards hold different optimizer state names")
+        full["master"] = torch.cat([sds[r]["shards"][str(b)]["master"].reshape(-1) for r, _ in parts])
+        for name in sorted(keys):
+            full[name] = torch.cat([sds[r]["shards"][str(b)]["optim"][name].reshape(-1) for r, _ in parts])
+        # Step counts: each new segment takes the count of the old segment holding its first element.
+        spans = [
+            (sh.begin + seg.begin, sh.begin + seg.end, int(sds[r]["shards"][str(b)]["optim"]["steps"][i]))
+            for r, sh in parts
+            for i, seg in enumerate(sh.segments)
+        ]
+        steps = []
+        for seg in new.segments:
+            at = new.begin + seg.begin
+            steps.append(next(c for lo, hi, c in spans if lo <= at < hi))
+        optim = {k: full[k][new.begin : new.end].clone() for k in keys}
+        optim["steps"] = torch.tensor(steps, dtype=torch.int64)
+        out_shards[str(b)] = {
+            "master": full["master"][new.begin : new.end].clone(),
+            "version": torch.tensor(0, dtype=torch.int64),
+            "processed": torch.zeros(opt.world_size, dtype=torch.int64),
+            "optim": optim,
+        }
+    sd = dict(sds[0])
+    sd.update(rank=opt.rank, world_size=opt.world_size, shards=out_shards, residuals={})
+    _check_state(mpath + " (re-sharded)", sd, opt, opt.rank, opt.world_size, opt.bucket_layouts)
+    return sd
+
+
+def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
+    """Load the checkpoint directory ``path`` into ``opt``, a DistributedOptimizer built for the same
+    model, optimizer, policy, compression, bucket_cap_mb and world size. Collective: call on every
+    rank, between steps (typically right after constructing ``opt``).
+
+    Every rank validates its part first; unless every rank succeeded, nothing is modified and every
+    rank raises CheckpointError (naming the file and the problem on the ranks that found it). On
+    success the masters, optimizer state, error-feedback residuals and hyperparameters are restored
+    and every rank's parameters are set to the saved master values. Clocks and versions restart from
+    zero in the new engine (the saved ones stay in the files for inspection).
+    """
+    d = _check_args(path, opt, "load_checkpoint")
+    rank, world, group = opt.rank, opt.world_size, opt._group
+    sd, err = None, ""
+    try:
+        sd = _validate(d, opt)
+    except CheckpointError as e:
+        err = str(e)
+    except Exception as e:  # noqa: BLE001 - any surprise still must not leave other ranks waiting
+        err = f"{d}: unexpected {type(e).__name__} while validating: {e}"
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    mine = torch.tensor([int(not err)], dtype=torch.int64)
+    if world > 1:
+        dist.all_gather(flags, mine, group=group)
+    else:
+        flags = [mine]
+    bad = [r for r in range(world) if int(flags[r].item()) != 1]
+    if bad:
+        raise CheckpointError(
+            f"load_checkpoint: {err}; nothing was loaded"
+            if err
+            else f"load_checkpoint({d!r}): rank(s) {bad} found the checkpoint invalid (see their error); "
+            "nothing was loaded"
+        )
+    assert sd is not None
+    opt.load_state_dict(sd)
+    _install_all(opt)
+
+
+def _install_all(opt: DistributedOptimizer) -> None:
+    """Give every rank's parameters the loaded master values of every shard (all_gather per bucket)."""
+    from pyasync.ops import bucketing as ops_bucketing
+
+    rank, world, group = opt.rank, opt.world_size, opt._group
+    if world == 1:
+        return  # load_state_dict already installed this rank's (= every) shard
+    shards = opt._require_engine().owner.shards()
+    with torch.no_grad():
+        for b, lay in enumerate(opt.bucket_layouts):
+            width = max(s.numel for s in lay.shards)
+            if width == 0:
+                continue
+            mine = torch.zeros(width, dtype=torch.float32)
+            if lay.shards[rank].numel > 0:
+                mine[: lay.shards[rank].numel].copy_(shards[b].master.cpu())
+            parts = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(parts, mine, group=group)
+            params = [opt._params[p].data for p in lay.params]
+            dev = params[0].device
+            for r, sh in enumerate(lay.shards):
+                if sh.numel > 0 and r != rank:
+                    ops_bucketing.unflatten(
+                        parts[r][: sh.numel].to(dev), params, lay.offsets, begin=sh.begin
+                    )
