@@ -390,8 +390,11 @@ def test_corrupt_header_is_a_clear_error_naming_the_sender():
     sent = mp.get_context("spawn").Event()
     res = run_workers(_corrupt_header, 2, args=(sent,), timeout=90)
     assert "owner receiver thread" in res[0] and "rank 1" in res[0] and "codec" in res[0], res[0]
-    # The peer cannot finish with a failed rank: a timeout naming the rank that never closed.
-    assert res[1] is not None and "not seen worker ranks [0] close" in res[1], res[1]
+    # The peer cannot finish with a failed rank, and must not hang: either its timeout names the rank that
+    # never closed, or (when the failed rank's process has already exited) gloo reports the closed
+    # connection; which one comes first is a race between the two processes.
+    assert res[1] is not None, "the peer of a failed rank finished as if nothing happened"
+    assert "not seen worker ranks [0] close" in res[1] or "Connection closed by peer" in res[1], res[1]
 
 
 def _subgroup(rank, world):
