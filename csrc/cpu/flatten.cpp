@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pyasync/bucket_slices.h"
 #include "pyasync/common.h"
 #include "pyasync/launchers.h"
 #include "pyasync/math/cast.h"
@@ -170,20 +171,13 @@ void flatten_cpu(const FlattenParams& p) {
 }
 
 void unflatten_cpu(const UnflattenParams& p) {
-  PYASYNC_CHECK_ARG(p.count >= 0, "unflatten: negative tensor count");
-  PYASYNC_CHECK_ARG(0 <= p.begin && p.begin <= p.end, "unflatten: needs 0 <= begin <= end");
   const int64_t ss = dtype_size(p.src_dtype);
   const int64_t ds = dtype_size(p.dst_dtype);
   std::vector<Span> spans;
-  spans.reserve(static_cast<size_t>(p.count));
-  for (int32_t i = 0; i < p.count; ++i) {
-    const int64_t lo = std::max(p.offsets[i], p.begin);
-    const int64_t hi = std::min(p.offsets[i] + p.numels[i], p.end);
-    if (lo >= hi) continue;  // tensor i does not overlap the slice
-    PYASYNC_CHECK_ARG(p.src != nullptr && p.dsts[i] != 0, "unflatten: null source or destination");
-    add_spans(spans, static_cast<const unsigned char*>(p.src) + (lo - p.begin) * ss, ss,
-              reinterpret_cast<unsigned char*>(p.dsts[i]) + (lo - p.offsets[i]) * ds, ds, hi - lo);
-  }
+  spans.reserve(static_cast<size_t>(p.count > 0 ? p.count : 0));
+  for_each_unflatten_piece(p, [&](const unsigned char* src, unsigned char* dst, int64_t len) {
+    add_spans(spans, src, ss, dst, ds, len);
+  });
   run_spans(spans, pick(p.src_dtype, p.dst_dtype, false, false), 1.0f, ds, p.num_threads);
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "pyasync/bucket_slices.h"
 #include "pyasync/math/cast.h"
 #include "pyasync/params.h"
 
@@ -234,20 +235,11 @@ void flatten_cuda(const FlattenParams& p, StreamHandle stream) {
 }
 
 void unflatten_cuda(const UnflattenParams& p, StreamHandle stream) {
-  PYASYNC_CHECK_ARG(p.count >= 0, "unflatten: negative tensor count");
-  PYASYNC_CHECK_ARG(0 <= p.begin && p.begin <= p.end, "unflatten: needs 0 <= begin <= end");
-  const int64_t ss = dtype_size(p.src_dtype);
-  const int64_t ds = dtype_size(p.dst_dtype);
   std::vector<Entry> entries;
-  entries.reserve(static_cast<size_t>(p.count));
-  for (int32_t i = 0; i < p.count; ++i) {
-    const int64_t lo = std::max(p.offsets[i], p.begin);
-    const int64_t hi = std::min(p.offsets[i] + p.numels[i], p.end);
-    if (lo >= hi) continue;  // tensor i does not overlap the slice
-    PYASYNC_CHECK_ARG(p.src != nullptr && p.dsts[i] != 0, "unflatten: null source or destination");
-    entries.push_back(Entry{static_cast<const unsigned char*>(p.src) + (lo - p.begin) * ss,
-                            reinterpret_cast<unsigned char*>(p.dsts[i]) + (lo - p.offsets[i]) * ds, hi - lo});
-  }
+  entries.reserve(static_cast<size_t>(p.count > 0 ? p.count : 0));
+  for_each_unflatten_piece(p, [&](const unsigned char* src, unsigned char* dst, int64_t len) {
+    entries.push_back(Entry{src, dst, len});
+  });
   dispatch(p.src_dtype, p.dst_dtype, entries, 1.0f, false, nullptr, as_stream(stream));
 }
 
