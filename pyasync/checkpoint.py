@@ -29,9 +29,36 @@ Adam, AdamW): bucket assignment does not depend on the world size, only the shar
 rank reads (and checks) all n shard files, concatenates each bucket's master values and optimizer
 state tensors in rank order into the whole bucket, and cuts out its new shard; each new segment takes
 the step count of the old segment that holds its first element (all segments of one parameter step
-together). Error-feedback residuals belong to the n old workers and have no meaning for m new ones:
-they restart from zero (with compression, the first steps after a re-sharded load differ from an
-uninterrupted run by the dropped residuals). Versions and clocks restart from zero as always.
+together). Error-feedback residuals are re-sharded too, see Note [Re-sharding residuals]. Versions
+and clocks restart from zero as always.
+
+Note [Re-sharding residuals]
+A residual belongs to a worker, not to an owner: compressor slot (b, r) of worker w holds what w
+still owes for the slice [bounds[r], bounds[r+1]) of bucket b that goes to owner r, so concatenating
+w's slots over r (a missing slot is zeros: nothing was compressed there yet) gives E_w, w's residual
+for the whole bucket. It is an update owed: whenever w sends it, the owners scale the push by 1/d,
+d = policy.divisor(world) (n for BSP, SSP and ASP; k for Quorum(k)). The n old workers thus owe
+U = sum_w E_w / d_old for bucket b. The m new workers get
+
+    F_v = (d_new / d_old) * sum_{w < n, w mod m == v} E_w        (zeros when no w maps to v)
+
+so that sum_v F_v / d_new = sum_w E_w / d_old = U: the owed update is preserved exactly in exact
+arithmetic (every E_w is counted once, and the scale undoes the change of divisor). F_v is then cut
+by the new shard bounds into the slots (b, r') of new worker v. m > n: old worker w's residual goes
+to new worker w, times m/n; workers n..m-1 start from zero. m < n: new worker v sums the residuals of
+old workers v, v + m, v + 2m, ..., times m/n. m == n: the identity (the same-world load). For
+Quorum(k) the divisor is k in both runs and the scale is 1.
+Why whole residuals on one worker each, and not every residual spread over all new workers (which
+would preserve U as well): a residual is the state of one worker's error-feedback stream; kept whole
+it stays one coherent compression error (e.g. top-k's unsent coordinates), it stays with the same
+rank number where it can, the rule reduces to the identity for m == n, and new workers that get
+nothing start exactly as a fresh worker does.
+Floating point: F_v is computed in float64 (sum over w in ascending order, times d_new, divided by
+d_old) and rounded once to float32, so sum_v F_v / d_new equals U up to that one rounding per
+element; a result that is not finite is a CheckpointError. The caveats are those of the old run:
+with lr_scale="inverse" the owed update is further divided by the staleness it is eventually sent
+with, with Adam it is owed gradient (fed to Adam), not a parameter change, and under Quorum(k < n)
+a push carrying part of it may be dropped by policy.
 """
 
 from __future__ import annotations
@@ -407,13 +434,18 @@ def _check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, worl
         ok = (
             isinstance(k, tuple)
             and len(k) == 2
-            and all(isinstance(x, int) for x in k)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
             and 0 <= k[0] < len(layouts)
             and 0 <= k[1] < world
         )
         if not ok:
-            raise CheckpointError(f"{fpath}: residual key {k!r} is not a (bucket, rank) of this layout")
+            raise CheckpointError(
+                f"{fpath}: residual key {k!r} is not a (bucket, shard) of this layout "
+                f"({len(layouts)} buckets, {world} shards each)"
+            )
         _check_tensor(fpath, f"residuals[{k}]", t, layouts[k[0]].shards[k[1]].numel, torch.float32)
+        if not bool(torch.isfinite(t).all()):  # a compressor never keeps one (see compression.py)
+            raise CheckpointError(f"{fpath}: residuals[{k}] holds NaN or Inf")
     groups = sd.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
         raise CheckpointError(f"{fpath}: expected {len(opt.param_groups)} param_groups")
@@ -509,16 +541,53 @@ def _reshard(d: str, mpath: str, m: dict, opt: DistributedOptimizer) -> dict:
             "processed": torch.zeros(opt.world_size, dtype=torch.int64),
             "optim": optim,
         }
+    residuals = _reshard_residuals(mpath, [sd["residuals"] for sd in sds], old_layouts, opt)
     sd = dict(sds[0])
-    sd.update(rank=opt.rank, world_size=opt.world_size, shards=out_shards, residuals={})
+    sd.update(rank=opt.rank, world_size=opt.world_size, shards=out_shards, residuals=residuals)
     _check_state(mpath + " (re-sharded)", sd, opt, opt.rank, opt.world_size, opt.bucket_layouts)
     return sd
 
 
+def _reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, opt: DistributedOptimizer) -> dict:
+    """This rank's error-feedback residuals from those of the ``len(saved)`` old workers (each already
+    checked against ``old_layouts``): new worker v takes old workers v, v + m, ..., summed and scaled
+    by divisor(m) / divisor(n). See Note [Re-sharding residuals]."""
+    n, m, v = len(saved), opt.world_size, opt.rank
+    d_old, d_new = opt.policy.divisor(n), opt.policy.divisor(m)
+    mine = [w for w in range(n) if w % m == v]
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    for b, (old, new) in enumerate(zip(old_layouts, opt.bucket_layouts)):
+        total = None
+        for w in mine:
+            res = saved[w]
+            if not any((b, r) in res for r in range(n)):
+                continue  # worker w never compressed into bucket b: it owes nothing there
+            pieces = []
+            for r, sh in enumerate(old.shards):  # w's slots of bucket b, in shard order: the whole bucket
+                e = res.get((b, r))
+                e = torch.zeros(sh.numel, dtype=torch.float64) if e is None else e.reshape(-1).double()
+                pieces.append(e)
+            full = torch.cat(pieces)
+            total = full if total is None else total + full  # ascending w, in float64
+        if total is None:
+            continue  # no old worker maps to this one here: its slots start from zero, as a fresh worker's
+        f = (total * d_new / d_old).float()
+        if not bool(torch.isfinite(f).all()):
+            raise CheckpointError(
+                f"{mpath}: bucket {b}'s error-feedback residual for rank {v} of {m} overflows float32 when "
+                f"scaled by {d_new}/{d_old}"
+            )
+        for r, sh in enumerate(new.shards):
+            if sh.numel > 0:
+                out[(b, r)] = f[sh.begin : sh.end].clone()
+    return out
+
+
 def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     """Load the checkpoint directory ``path`` into ``opt``, a DistributedOptimizer built for the same
-    model, optimizer, policy, compression, bucket_cap_mb and world size. Collective: call on every
-    rank, between steps (typically right after constructing ``opt``).
+    model, optimizer, policy, compression, bucket_cap_mb and world size (or another world size for
+    SGD, Adam and AdamW: see Note [Re-sharding]). Collective: call on every rank, between steps
+    (typically right after constructing ``opt``).
 
     Every rank validates its part first; unless every rank succeeded, nothing is modified and every
     rank raises CheckpointError (naming the file and the problem on the ranks that found it). On

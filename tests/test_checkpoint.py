@@ -6,6 +6,9 @@
 * Corrupt, truncated, foreign and mismatched checkpoints: CheckpointError on every rank, naming the
   file and the problem on the rank that found it, and the optimizer and model are left untouched.
 * An interrupted save (the manifest write fails) leaves the previous checkpoint whole and loadable.
+* Re-sharding into another world size: masters and optimizer state bit for bit; error-feedback
+  residuals by the rule of Note [Re-sharding residuals] (checked exactly against the saved files, 4 -> 2,
+  4 -> 3, 2 -> 4), the total owed update preserved and, with plain SGD, delivered after the load.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from _dist import multiproc, run_workers
 
 pytestmark = multiproc
 K, MORE = 3, 4
+PLAIN_LR = 0.5
 
 
 def _model(seed: int, hidden: int = 7) -> torch.nn.Module:
@@ -40,6 +44,9 @@ def _make(kind: str, seed: int, hidden: int = 7, policy: str = "bsp"):
     elif kind == "sgd-int8":
         base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         comp = pyasync.compression.Int8(block=4)
+    elif kind in ("plain-int8", "plain-topk"):  # plain SGD: the applied total is a ledger of the pushes
+        base = torch.optim.SGD(model.parameters(), lr=PLAIN_LR)
+        comp = pyasync.compression.Int8(block=4) if kind == "plain-int8" else pyasync.compression.TopK(0.1)
     elif kind == "adamw-bf16":
         model.to(torch.bfloat16)
         base = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -463,3 +470,258 @@ def test_reshard_to_another_world_size(tmp_path):
             if str(b) in shards:
                 steps = shards[str(b)]["optim"]["steps"].tolist()
                 assert steps == [K] * len(steps)
+
+
+# -- error-feedback residuals across world sizes (Note [Re-sharding residuals]) -------------------------
+# (compression kind, policy) saved by 4 and by 2 ranks. Quorum(2) only from 2 ranks (k = n): a save under
+# Quorum(k < n) can time out, see the note in test_reshard_carries_error_feedback_residuals.
+EF_CASES = {4: [("plain-int8", "asp"), ("plain-topk", "bsp")]}
+EF_CASES[2] = EF_CASES[4] + [("plain-int8", "quorum:2")]
+EF_ZERO_STEPS = 6  # steps with zero gradients after the load: they send (part of) the loaded residuals
+
+
+def _ef_dir(root: str, kind: str, policy: str) -> str:
+    return os.path.join(root, f"{kind}-{policy.replace(':', '')}")
+
+
+def _buckets(opt) -> list[torch.Tensor]:
+    """Every bucket's parameter values, flat in bucket order (what the masters hold after close)."""
+    return [
+        torch.cat([opt._params[p].detach().reshape(-1).float() for p in lay.params])
+        for lay in opt.bucket_layouts
+    ]
+
+
+def _ef_save(rank, world, root):
+    import pyasync
+
+    for kind, policy in EF_CASES[world]:
+        model, opt = _make(kind, seed=0, policy=policy)
+        for t in range(K):
+            _train_step(model, opt, rank, t)
+        pyasync.save_checkpoint(_ef_dir(root, kind, policy), opt)
+        opt.close()
+    return True
+
+
+def _ef_load(rank, world, root, cases):
+    import pyasync
+
+    out = {}
+    for kind, policy in cases:
+        model, opt = _make(kind, seed=4 + rank, policy=policy)
+        # Residuals the load must replace, also on ranks that receive none: non-zero in every slot.
+        opt.compressor.load_state_dict(
+            {
+                (b, r): torch.full((sh.numel,), 0.5 + rank)
+                for b, lay in enumerate(opt.bucket_layouts)
+                for r, sh in enumerate(lay.shards)
+                if sh.numel > 0
+            }
+        )
+        pyasync.load_checkpoint(_ef_dir(root, kind, policy), opt)
+        res = opt.compressor.state_dict()
+        loaded = _buckets(opt)
+        for _ in range(EF_ZERO_STEPS):
+            opt.zero_grad()
+            sum((p * 0).sum() for p in model.parameters()).backward()  # zero gradients
+            opt.step()
+        opt.close()
+        out[(kind, policy)] = {
+            "residuals": res,
+            "loaded": loaded,
+            "final": _buckets(opt),
+            "final_residuals": opt.compressor.state_dict(),
+            "bounds": [[sh.begin for sh in lay.shards] + [lay.numel] for lay in opt.bucket_layouts],
+            "dropped": opt.stats().pushes_dropped,
+        }
+    return out
+
+
+def _whole_residuals(res: dict, bounds: list[list[int]]) -> list[torch.Tensor]:
+    """One worker's residual for every whole bucket (float64), from its (bucket, shard) slots."""
+    return [
+        torch.cat(
+            [
+                res.get((b, r), torch.zeros(bb[r + 1] - bb[r])).reshape(-1).double()
+                for r in range(len(bb) - 1)
+            ]
+        )
+        for b, bb in enumerate(bounds)
+    ]
+
+
+def _saved_residuals(d) -> list[list[torch.Tensor]]:
+    """[old worker][bucket]: the whole-bucket residuals, read from the checkpoint's own files."""
+    m = json.loads((d / "manifest.json").read_text())
+    bounds = [b["shard_bounds"] for b in m["buckets"]]
+    out = []
+    for s in sorted(m["shards"], key=lambda s: s["rank"]):
+        sd = torch.load(d / s["file"], weights_only=True)
+        out.append(_whole_residuals(sd["residuals"], bounds))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ef_checkpoints(tmp_path_factory):
+    """The EF_CASES checkpoints, saved by 4 ranks and by 2 ranks after K steps."""
+    root = tmp_path_factory.mktemp("ef")
+    for n in (4, 2):
+        run_workers(_ef_save, n, args=(str(root / f"n{n}"),), timeout=180)
+    return root
+
+
+@pytest.mark.parametrize("old, new", [(4, 2), (4, 3), (2, 4)], ids=["4to2", "4to3", "2to4"])
+def test_reshard_carries_error_feedback_residuals(ef_checkpoints, old, new):
+    """New worker v holds (d_new / d_old) * sum of old workers w = v mod new's whole-bucket residuals
+    (bit for bit, as computed here from the saved files), cut at the new shard bounds; ranks that get
+    none hold zeros; the total owed update sum_v F_v / d_new equals sum_w E_w / d_old; and with plain
+    SGD and zero gradients after the load, the owed update reaches the parameters.
+
+    Quorum(2) is saved by 2 ranks only (k = n, so its save is BSP-like) and loaded into 4 (scale
+    2/2 = 1, where ASP and BSP get 4/2). Saving under Quorum(k < n) can time out: a rank whose push
+    is the only one computed on the newest version waits in step() for a newer version, which needs
+    another rank's push, while the other ranks already wait in save_checkpoint's collectives (seen
+    in about half the runs on 4 ranks; reported, not fixed here)."""
+    from pyasync.policy import parse_policy
+
+    cases = EF_CASES[old]
+    loaded = run_workers(_ef_load, new, args=(str(ef_checkpoints / f"n{old}"), cases), timeout=180)
+    for kind, policy in cases:
+        case = (kind, policy)
+        d = ef_checkpoints / f"n{old}" / os.path.basename(_ef_dir("", kind, policy))
+        saved = _saved_residuals(d)
+        pol = parse_policy(policy)
+        d_old, d_new = pol.divisor(old), pol.divisor(new)
+        nb = len(saved[0])
+        for w in range(old):  # the test means something: every old worker owes something
+            assert any(saved[w][b].abs().max() > 0 for b in range(nb)), (case, w)
+        got = [_whole_residuals(loaded[v][case]["residuals"], loaded[v][case]["bounds"]) for v in range(new)]
+        for v in range(new):
+            ws = [w for w in range(old) if w % new == v]
+            for b in range(nb):
+                have = got[v][b].float()
+                if not ws:
+                    assert have.abs().max() == 0, f"{case}: rank {v} of {new} received a residual"
+                    continue
+                want = (sum(saved[w][b] for w in ws) * d_new / d_old).float()
+                assert torch.equal(have, want), (
+                    f"{case}: rank {v} bucket {b}: max difference {(have - want).abs().max().item()}"
+                )
+            for (b, r), t in loaded[v][case]["residuals"].items():  # slots cut at the new bounds
+                bb = loaded[v][case]["bounds"][b]
+                assert t.numel() == bb[r + 1] - bb[r] > 0, (case, v, b, r)
+        for b in range(nb):
+            owed_old = sum(saved[w][b] for w in range(old)) / d_old
+            owed_new = sum(got[v][b] for v in range(new)) / d_new
+            bound = sum(got[v][b].abs() for v in range(new)) / d_new * 2.0**-23  # one fp32 rounding each
+            assert ((owed_new - owed_old).abs() <= bound).all(), (case, b)
+            assert owed_old.abs().max() > 0
+        if policy.startswith("quorum"):
+            continue  # Quorum(k < n) may drop a push carrying part of it (by policy), so no ledger here
+        # Plain SGD, zero gradients: p_final = p_loaded - lr / d_new * sum_v (F_v - e_v), e_v the
+        # residual left at the end; so p_final - lr / d_new * sum_v e_v == p_loaded - lr * owed_old.
+        assert all(loaded[v][case]["dropped"] == 0 for v in range(new))
+        bounds = loaded[0][case]["bounds"]
+        left = [_whole_residuals(loaded[v][case]["final_residuals"], bounds) for v in range(new)]
+        for b in range(nb):
+            p_loaded = loaded[0][case]["loaded"][b].double()
+            p_final = loaded[0][case]["final"][b].double()
+            finals = [loaded[v][case]["final"][b] for v in range(new)]
+            assert all(torch.equal(f, finals[0]) for f in finals), f"{case}: replicas differ"
+            owed_old = sum(saved[w][b] for w in range(old)) / d_old
+            lhs = p_final - PLAIN_LR / d_new * sum(left[v][b] for v in range(new))
+            rhs = p_loaded - PLAIN_LR * owed_old
+            err = (lhs - rhs).abs().max().item()
+            assert err < 2e-6, f"{case} bucket {b}: owed update not delivered, off by {err}"
+        delivered = max((loaded[0][case]["final"][b] - loaded[0][case]["loaded"][b]).abs().max().item()
+                        for b in range(nb))
+        assert delivered > 1e-4, f"{case}: the loaded residuals moved nothing ({delivered})"
+
+
+def _reseal(d: str, rank: int, edit) -> None:
+    """Let edit(state_dict) change old rank ``rank``'s shard file, then fix its size and sha256 in the
+    manifest, so that only the structure check can catch it."""
+    import hashlib
+    import io
+
+    mpath = os.path.join(d, "manifest.json")
+    mm = json.load(open(mpath))
+    entry = next(s for s in mm["shards"] if s["rank"] == rank)
+    fpath = os.path.join(d, entry["file"])
+    sd = torch.load(fpath, weights_only=True)
+    edit(sd)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    data = buf.getvalue()
+    open(fpath, "wb").write(data)
+    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    open(mpath, "w").write(json.dumps(mm))
+
+
+def _ef_bad(rank, world, src, root):
+    import shutil
+
+    import torch.distributed as dist
+
+    import pyasync
+    from pyasync.checkpoint import CheckpointError
+
+    kind, policy = EF_CASES[4][0]
+    model, opt = _make(kind, seed=4 + rank, policy=policy)
+    before = _state(model, opt)
+
+    def grow(sd):
+        sd["residuals"][(0, 1)] = torch.cat([sd["residuals"][(0, 1)], torch.zeros(1)])
+
+    def nan(sd):
+        sd["residuals"][(0, 1)][0] = float("nan")
+
+    def stray_bucket(sd):
+        sd["residuals"][(99, 0)] = torch.zeros(1)
+
+    def stray_shard(sd):
+        sd["residuals"][(0, 4)] = torch.zeros(1)
+
+    def not_tensor(sd):
+        sd["residuals"][(0, 1)] = [1.0, 2.0]
+
+    out = {}
+    for name, edit in (
+        ("grow", grow), ("nan", nan), ("stray_bucket", stray_bucket), ("stray_shard", stray_shard),
+        ("not_tensor", not_tensor),
+    ):
+        d = os.path.join(root, name)
+        if rank == 0:
+            shutil.copytree(src, d)
+            _reseal(d, 1, edit)
+        dist.barrier()
+        try:
+            pyasync.load_checkpoint(d, opt)
+            out[name] = "LOADED"
+        except CheckpointError as e:
+            out[name] = str(e)
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
+    pyasync.load_checkpoint(src, opt)  # the unbroken one still loads
+    opt.close()
+    return out
+
+
+def test_reshard_refuses_bad_residual_entries(ef_checkpoints, tmp_path):
+    """A 4-rank checkpoint whose rank-1 file holds a bad residual (resealed, so only the structure check
+    sees it), loaded into 2 ranks: every rank reads every old file, so every rank names the file and
+    the entry; nothing is loaded."""
+    kind, policy = EF_CASES[4][0]
+    src = ef_checkpoints / "n4" / os.path.basename(_ef_dir("", kind, policy))
+    res = run_workers(_ef_bad, 2, args=(str(src), str(tmp_path)), timeout=120)
+    for rank, r in enumerate(res):
+        assert r["untouched"], f"rank {rank}: a failed load modified the optimizer or the model"
+        for name, needle in (
+            ("grow", "residuals[(0, 1)] has"),
+            ("nan", "residuals[(0, 1)] holds NaN or Inf"),
+            ("stray_bucket", "residual key (99, 0) is not a (bucket, shard)"),
+            ("stray_shard", "residual key (0, 4) is not a (bucket, shard)"),
+            ("not_tensor", "residuals[(0, 1)] must be a dense torch.float32 tensor"),
+        ):
+            msg = r[name]
+            assert "-r1-of-4.pt" in msg and needle in msg and "nothing was loaded" in msg, (rank, name, msg)
