@@ -225,8 +225,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         transport = None
         if self._world > 1:
             from pyasync.transport.gloo import GlooTransport
+            from pyasync.transport.throttle import ThrottledTransport, link_from_env
 
+            link = link_from_env()  # read before any group exists: a bad value leaks nothing
             transport = GlooTransport(process_group)
+            if link is not None:
+                transport = ThrottledTransport(transport, link)
         self._engine = Engine(
             params=params,
             layouts=self._layouts,

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pyasync.experiments.train import join_run, train_worker
-from pyasync.experiments.workload import Digits, TrainConfig, load_digits_split
+from pyasync.experiments.train import calibrate_worker, join_run, train_worker
+from pyasync.experiments.workload import Digits, TrainConfig, load_split
+from pyasync.transport.throttle import ENV_VAR as LINK_ENV_VAR
 
 
 def start_store_server(timeout_s: float = 60.0) -> dist.TCPStore:
@@ -28,14 +29,21 @@ class WorkerError(RuntimeError):
     """A worker process of a local run failed or the run timed out."""
 
 
-def _local_worker(rank: int, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any) -> None:
+def _local_worker(
+    rank: int, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any, job: str
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+    if cfg.bandwidth_gbps is not None:
+        os.environ[LINK_ENV_VAR] = repr(cfg.bandwidth_gbps)  # see Note [Emulated link]
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     store = join_run(base, prefix, rank, cfg.workers, cfg.timeout_s)
-    progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
-    record = train_worker(cfg, rank, store, progress, data)
+    if job == "calibrate":
+        record = calibrate_worker(cfg, rank, data)
+    else:
+        progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
+        record = train_worker(cfg, rank, store, progress, data)
     if rank == 0:
         queue.put(("result", record))
     dist.destroy_process_group()
@@ -62,14 +70,35 @@ def run_local(
     Raises :class:`WorkerError` with the worker's traceback when a worker fails, and when the run takes
     longer than ``run_timeout_s`` seconds (the workers are terminated either way).
     """
+    return _spawn("train", cfg, store, prefix, progress, run_timeout_s)
+
+
+def calibrate_local(
+    cfg: TrainConfig, store: dist.TCPStore, prefix: str, run_timeout_s: float = 600.0
+) -> list[float]:
+    """Each of ``cfg.workers`` spawned local processes times steps of ``cfg``'s model at the same time
+    (the CPU contention of training, no communication); returns every rank's median step time (s).
+    See Note [Straggler injection]. Raises :class:`WorkerError` like :func:`run_local`."""
+    return _spawn("calibrate", cfg, store, prefix, None, run_timeout_s)
+
+
+def _spawn(
+    job: str,
+    cfg: TrainConfig,
+    store: dist.TCPStore,
+    prefix: str,
+    progress: Callable[[int], None] | None,
+    run_timeout_s: float,
+) -> Any:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
+    label = f"run {cfg.system.name!r}" if job == "train" else f"calibration of model {cfg.model!r}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = mp.start_processes(
         _local_worker,
-        args=(cfg, load_digits_split(cfg.seed), store.port, prefix, queue),
+        args=(cfg, load_split(cfg.model, cfg.seed), store.port, prefix, queue, job),
         nprocs=cfg.workers,
         join=False,
         start_method="spawn",
@@ -96,12 +125,12 @@ def run_local(
             try:
                 done = procs.join(timeout=0)
             except ProcessException as e:  # raised or exited: the others are terminated
-                raise WorkerError(f"run {cfg.system.name!r}: a worker failed: {e}") from e
+                raise WorkerError(f"{label}: a worker failed: {e}") from e
             if done:
                 break
             if time.monotonic() > deadline:
                 raise WorkerError(
-                    f"run {cfg.system.name!r} did not finish within {run_timeout_s:.0f} s; workers "
+                    f"{label} did not finish within {run_timeout_s:.0f} s; workers "
                     "terminated (raise --run-timeout if the machine is just slow)"
                 )
     finally:
@@ -116,5 +145,5 @@ def run_local(
     if record is None:
         drain(5.0)
     if record is None:
-        raise WorkerError(f"run {cfg.system.name!r}: workers exited without a result")
+        raise WorkerError(f"{label}: workers exited without a result")
     return record

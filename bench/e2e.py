@@ -1,0 +1,328 @@
+"""End-to-end benchmark: DDP (plain, fp16, PowerSGD), pyasync's policies with and without compression, and
+hivemind, trained on the same data, model and seed, with equal workers, a persistent straggler and
+transient slowdowns, optionally behind an emulated link of fixed bandwidth.
+
+    python bench/e2e.py --out e2e_out                    # everything (long; run on a quiet machine)
+    python bench/e2e.py --out /tmp/e2e_quick --quick     # every system kind, a few minutes
+    python bench/e2e.py --out e2e_1g --bandwidth 1       # every rank sends through a 1 Gbit/s link
+    python bench/e2e.py --out x --systems ddp,asp+int8 --scenarios slow2x --models mlp --epochs 10
+
+Each run spawns ``--workers`` local processes (gloo on loopback, one thread each), as ``python -m
+pyasync.demo`` does. Output: ``OUT/e2e.json`` (a JSON list of records, rewritten after every run), PNG
+plots in OUT and a summary table with each system's samples/s and time to target over DDP's in the same
+scenario. docs/benchmarks.md says what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.use_source_tree()
+
+from pyasync import experiments as h  # noqa: E402
+from pyasync.experiments import e2e as E  # noqa: E402
+from pyasync.experiments.report import plot_e2e  # noqa: E402
+from pyasync.experiments.workload import MODELS  # noqa: E402
+
+#: Budgets of --quick, in passes over the training set; the wide model runs only the equal scenario.
+QUICK_EPOCHS = {"mlp": 15, "wide": 3}
+QUICK_WIDE_SCENARIOS = ("equal",)
+
+#: Keys every record starts with (the JSON holds more, see docs/benchmarks.md).
+FIRST_KEYS = (
+    "system",
+    "policy",
+    "compression",
+    "scenario",
+    "model",
+    "samples_per_s",
+    "time_to_target_s",
+    "final_acc",
+    "bytes_per_step",
+    "bandwidth_gbps",
+    "samples_per_s_vs_ddp",
+    "time_to_target_vs_ddp",
+    "target_acc",
+    "wall_s",
+    "staleness_hist",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's command-line options."""
+    p = argparse.ArgumentParser(
+        prog="python bench/e2e.py",
+        description="End-to-end benchmark: DDP and its compression hooks, pyasync policies with "
+        "compression, and hivemind, under equal workers, a straggler and transient slowdowns.",
+    )
+    p.add_argument("--out", required=True, help="directory for e2e.json and the plots")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few minutes: every system kind once, short budgets "
+        f"({', '.join(f'{m} {e} epochs' for m, e in QUICK_EPOCHS.items())}; wide: equal scenario only)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="emulate a sending link of GBPS gigabits per second per worker (PYASYNC_LINK_GBPS)",
+    )
+    p.add_argument(
+        "--systems",
+        default=None,
+        help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind, or a pyasync policy (bsp, ssp:S, "
+        "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--scenarios", default=None, help=f"comma list of {', '.join(E.SCENARIOS)} (default: all)"
+    )
+    p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="budget of every model in passes over its training set (default: "
+        + ", ".join(f"{m} {s.epochs}" for m, s in MODELS.items())
+        + ")",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        help="target test accuracy for time-to-target: ACC for every model or MODEL=ACC,... (default "
+        + ", ".join(f"{m}={s.target:g}" for m, s in MODELS.items())
+        + ")",
+    )
+    p.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per step per worker (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="data, model init, batch order, slowdowns (default 0)")
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="fix the compute time C of one step (ms) for the injected delays instead of measuring it "
+        "once per model",
+    )
+    p.add_argument(
+        "--powersgd-warmup",
+        type=int,
+        default=None,
+        help="ddp+powersgd: plain all-reduce steps before compressing (default min(10, 10%% of steps), >= 2)",
+    )
+    p.add_argument("--eval-points", type=int, default=40, help="accuracy snapshots per run (default 40)")
+    p.add_argument("--timeout", type=float, default=120.0, help="timeout of every wait in a worker (s)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="limit for one run (s, default 900)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def hivemind_status() -> str | None:
+    """None when hivemind imports, else why not (one line)."""
+    try:
+        import hivemind  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip hivemind
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, E.Scenario]]:
+    """(model, scenario) pairs in run order."""
+    scenarios = E.parse_scenarios(args.scenarios or ",".join(E.SCENARIOS), args.workers)
+    plan = []
+    for m in models:
+        for sc in scenarios:
+            if args.quick and m == "wide" and args.scenarios is None and sc.name not in QUICK_WIDE_SCENARIOS:
+                continue
+            plan.append((m, sc))
+    return plan
+
+
+def _ordered(rec: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: rec.get(k) for k in FIRST_KEYS}, **{k: v for k, v in rec.items() if k not in FIRST_KEYS}}
+
+
+def _write_json(path: str, records: list[dict[str, Any]]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([_ordered(r) for r in records], f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark; returns the records (also written to OUT/e2e.json). Raises ValueError on bad
+    options; a failed run becomes a record with ``error`` and the others still run."""
+    args = build_parser().parse_args(argv)
+    if args.workers < 2:
+        raise ValueError(f"--workers must be >= 2, got {args.workers}")
+    if args.epochs is not None and args.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
+    if args.bandwidth is not None and not 0 < args.bandwidth < float("inf"):
+        raise ValueError(f"--bandwidth must be a finite number > 0 of Gbit/s, got {args.bandwidth}")
+    if args.compute_ms is not None and not args.compute_ms >= 0:
+        raise ValueError(f"--compute-ms must be >= 0, got {args.compute_ms}")
+    systems = h.parse_systems(args.systems or E.default_systems(args.workers, args.quick), args.workers)
+    models = [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
+    for m in models:
+        if m not in MODELS:
+            raise ValueError(f"--models: unknown model {m!r}, choose from {', '.join(MODELS)}")
+    if not models or len(set(models)) != len(models):
+        raise ValueError(f"--models: give unique model names from {', '.join(MODELS)}")
+    targets = E.parse_targets(args.target, {m: s.target for m, s in MODELS.items()})
+    plan = _plan(args, models)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "e2e.json")
+    no_hivemind = hivemind_status() if any(s.kind == "hivemind" for s in systems) else None
+    machine = common.machine_info()
+    command = common.command_line()
+
+    from tqdm.auto import tqdm
+
+    store = h.start_store_server(args.timeout)
+    records: list[dict[str, Any]] = []
+    compute_s: dict[str, float | None] = {}
+    printed: set[str] = set()
+    started = time.perf_counter()
+    n_runs = 0
+    for model, sc in plan:
+        spec = MODELS[model]
+        epochs = args.epochs or (QUICK_EPOCHS[model] if args.quick else spec.epochs)
+
+        def config(system: h.SystemSpec) -> h.TrainConfig:
+            return h.TrainConfig(
+                system=system,
+                workers=args.workers,
+                model=model,
+                epochs=epochs,
+                batch_size=args.batch_size,
+                hidden=spec.hidden,
+                lr=spec.lr,
+                seed=args.seed,
+                straggler=sc.straggler,
+                transient=sc.transient,
+                compute_s=compute_s.get(model),
+                powersgd_warmup=args.powersgd_warmup,
+                bandwidth_gbps=args.bandwidth,
+                eval_points=args.eval_points,
+                timeout_s=args.timeout,
+            )
+
+        if model not in compute_s:
+            # See Note [Straggler injection]: C is measured once per model, all ranks at once, and the
+            # same seconds are used by every system and scenario of this invocation.
+            slowed = any(s.straggler or s.transient for m, s in plan if m == model)
+            if not slowed:
+                compute_s[model] = None  # nothing to inject
+            elif args.compute_ms is not None:
+                compute_s[model] = args.compute_ms / 1e3
+            else:
+                per_rank = h.calibrate_local(
+                    config(systems[0]), store, prefix=f"cal-{model}/", run_timeout_s=args.run_timeout
+                )
+                compute_s[model] = statistics.median(per_rank)
+        if model not in printed and compute_s[model] is not None:
+            printed.add(model)
+            print(
+                f"model {model}: {spec.data}; compute time C = {compute_s[model] * 1e3:.2f} ms per step"
+                + (" (--compute-ms)" if args.compute_ms is not None else " (median over ranks)"),
+                file=sys.stderr,
+            )
+        for system in systems:
+            base = {
+                "system": system.name,
+                "policy": system.policy,
+                "compression": system.compression,
+                "kind": system.kind,
+                "scenario": sc.name,
+                "scenario_about": sc.about,
+                "model": model,
+                "target_acc": targets[model],
+                "bandwidth_gbps": args.bandwidth,
+                "machine": machine,
+                "command": command,
+                "quick": args.quick,
+            }
+            if system.kind == "hivemind" and no_hivemind is not None:
+                note = f"skipped: hivemind is not importable ({no_hivemind})"
+                records.append({**base, "skipped": True, "note": note})
+                print(f"{model}/{sc.name}/{system.name}: {note}", file=sys.stderr)
+                _write_json(json_path, records)
+                continue
+            cfg = config(system)
+            budget = epochs * h.steps_per_epoch(
+                len(h.load_split(model, args.seed).x_train), args.workers, args.batch_size
+            ) * args.workers
+            bar = tqdm(
+                total=budget * args.batch_size,
+                desc=f"{model}/{sc.name}/{system.name}"[:40].rjust(40),
+                unit="sample",
+                unit_scale=True,
+                disable=args.no_progress,
+                leave=False,
+                file=sys.stderr,
+            )
+
+            def advance(samples: int, bar=bar) -> None:
+                bar.update(max(0, samples - bar.n))
+
+            n_runs += 1
+            try:
+                rec = h.run_local(
+                    cfg, store, prefix=f"e2e{n_runs}/", progress=advance, run_timeout_s=args.run_timeout
+                )
+            except h.WorkerError as e:
+                records.append({**base, "error": str(e)})
+                print(f"{model}/{sc.name}/{system.name}: FAILED: {e}", file=sys.stderr)
+            else:
+                link_gbps = rec["bandwidth_gbps"]  # what the workers' link really was
+                rec.update(base)
+                rec["bandwidth_gbps"] = link_gbps
+                rec["final_acc"] = rec["test_acc"]
+                rec["time_to_target_s"] = E.time_to_target(rec["curve"], targets[model])
+                records.append(rec)
+            finally:
+                bar.close()
+            E.add_ratios(records)
+            _write_json(json_path, records)
+
+    E.add_ratios(records)
+    _write_json(json_path, records)
+    total_s = time.perf_counter() - started
+    print()
+    for model in dict.fromkeys(m for m, _ in plan):
+        c = compute_s.get(model)
+        print(
+            f"model {model}: {MODELS[model].data}, "
+            + ("" if c is None else f"C = {c * 1e3:.2f} ms, ")
+            + f"target accuracy {targets[model]:g}"
+        )
+    for sc in dict.fromkeys(sc for _, sc in plan):
+        print(f"scenario {sc.name}: {sc.about}")
+    if args.bandwidth is not None:
+        print(f"link: {args.bandwidth:g} Gbit/s per sending worker (emulated, sender side only)")
+    if no_hivemind is not None:
+        print(f"hivemind: skipped ({no_hivemind})")
+    print(E.format_summary(records))
+    paths = plot_e2e(records, args.out)
+    print(f"\nresults: {json_path}\nplots: {', '.join(paths) or '(none)'}\ntotal {total_s:.0f} s")
+    return records
+
+
+if __name__ == "__main__":
+    try:
+        recs = main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(1 if any(r.get("error") for r in recs) else 0)

@@ -1,0 +1,179 @@
+"""The end-to-end benchmark's pieces (``python bench/e2e.py``): scenarios, system lists, time to target,
+ratios against DDP and the summary table. docs/benchmarks.md describes the benchmark.
+
+Note [Time to target]
+    Rank 0 snapshots its parameters every ``eval_every`` of its steps (about ``eval_points`` times per
+    run, see Note [Timing and evaluation]); the snapshots are evaluated after training, giving the curve
+    of test accuracy against wall-clock seconds since the start barrier. Time to target is the time of
+    the first point of that curve whose accuracy is >= the target: an upper bound, late by at most one
+    snapshot interval (about 1/40 of the run), the same resolution for every system. It is None when no
+    point reaches the target, including the final model after ``close()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "SCENARIOS",
+    "Scenario",
+    "add_ratios",
+    "default_systems",
+    "format_summary",
+    "parse_scenarios",
+    "parse_targets",
+    "time_to_target",
+]
+
+#: Scenario names, in the order the benchmark runs them.
+SCENARIOS = ("equal", "slow2x", "transient")
+
+#: The transient scenario: each step of each rank is 5x slower with probability 0.1.
+TRANSIENT = (0.1, 5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """How the workers are slowed down; the same for every system of a run."""
+
+    name: str  # one of SCENARIOS
+    straggler: tuple[int, float] | None  # (rank, factor): that rank's steps take factor x C
+    transient: tuple[float, float] | None  # (prob, factor): any step of any rank, see workload.py
+    about: str  # one line, for tables and plots
+
+
+def scenario(name: str, workers: int) -> Scenario:
+    """The scenario ``name`` for ``workers`` ranks; the persistent straggler is the last rank."""
+    if name == "equal":
+        return Scenario(name, None, None, "all workers at equal speed")
+    if name == "slow2x":
+        return Scenario(name, (workers - 1, 2.0), None, f"rank {workers - 1} persistently 2x slower")
+    if name == "transient":
+        prob, factor = TRANSIENT
+        return Scenario(
+            name, None, TRANSIENT, f"each step of each worker {factor:g}x slower with probability {prob:g}"
+        )
+    raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
+
+
+def parse_scenarios(text: str, workers: int) -> list[Scenario]:
+    """A comma-separated list of scenario names (unique, at least one)."""
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"--scenarios: give at least one of {', '.join(SCENARIOS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--scenarios: names must be unique, got {names}")
+    return [scenario(n, workers) for n in names]
+
+
+def default_systems(workers: int, quick: bool = False) -> str:
+    """The systems the benchmark runs by default, as a comma list of system names.
+
+    Full: DDP with its three hooks; BSP, SSP(2), ASP and Quorum(n-1), each without compression, with
+    int8 and with top-k 1%; hivemind. Quick: still every kind (each DDP hook, each policy, each
+    compression, hivemind), but each policy with one compression.
+    """
+    q = f"quorum:{max(1, workers - 1)}"
+    if quick:
+        return f"ddp,ddp+fp16,ddp+powersgd,bsp,ssp:2+int8,asp+topk:0.01,{q},hivemind"
+    pyasync = [f"{p}{c}" for p in ("bsp", "ssp:2", "asp", q) for c in ("", "+int8", "+topk:0.01")]
+    return ",".join(["ddp", "ddp+fp16", "ddp+powersgd", *pyasync, "hivemind"])
+
+
+def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
+    """Target accuracies per model: ``None`` (the defaults), ``ACC`` (every model) or ``MODEL=ACC,...``
+    (the named models; the others keep their default)."""
+    out = dict(defaults)
+    if text is None or not text.strip():
+        return out
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        if len(items) == 1 and "=" not in items[0]:
+            acc = float(items[0])
+            out = {m: acc for m in out}
+        else:
+            for item in items:
+                name, eq, value = item.partition("=")
+                if not eq or name.strip() not in defaults:
+                    raise ValueError(item)
+                out[name.strip()] = float(value)
+    except ValueError:
+        raise ValueError(
+            f"--target {text!r}: give an accuracy (e.g. 0.95) or MODEL=ACC pairs (e.g. "
+            f"mlp=0.95,wide=0.9) for models {sorted(defaults)}"
+        ) from None
+    for m, acc in out.items():
+        if not 0 < acc <= 1:
+            raise ValueError(f"--target: accuracy of {m!r} must be in (0, 1], got {acc}")
+    return out
+
+
+def time_to_target(curve: Sequence[Mapping[str, float]], target: float) -> float | None:
+    """Seconds to the first point of ``curve`` (``{"t", "acc"}`` points in time order) with
+    ``acc >= target``; None when none reaches it. See Note [Time to target]."""
+    for point in curve:
+        if point["acc"] >= target:
+            return float(point["t"])
+    return None
+
+
+def _group(r: Mapping[str, Any]) -> tuple:
+    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"))
+
+
+def add_ratios(records: Sequence[dict[str, Any]], baseline: str = "ddp") -> None:
+    """Set ``samples_per_s_vs_ddp`` and ``time_to_target_vs_ddp`` on every record (in place): the
+    record's samples/s and time to target over those of ``baseline`` in the same model, scenario and
+    bandwidth, measured in the same invocation. None where either side is missing."""
+    base = {_group(r): r for r in records if r.get("system") == baseline and not r.get("skipped")}
+    for r in records:
+        b = base.get(_group(r))
+        sps, bsps = r.get("samples_per_s"), None if b is None else b.get("samples_per_s")
+        r["samples_per_s_vs_ddp"] = sps / bsps if sps is not None and bsps else None
+        ttt, bttt = r.get("time_to_target_s"), None if b is None else b.get("time_to_target_s")
+        r["time_to_target_vs_ddp"] = ttt / bttt if ttt is not None and bttt else None
+
+
+_SUMMARY = (
+    ("model", "model", "{}"),
+    ("scenario", "scenario", "{}"),
+    ("system", "system", "{}"),
+    ("samples_per_s", "samples/s", "{:.0f}"),
+    ("samples_per_s_vs_ddp", "x ddp", "{:.2f}"),
+    ("time_to_target_s", "t->target s", "{:.2f}"),
+    ("time_to_target_vs_ddp", "t x ddp", "{:.2f}"),
+    ("final_acc", "final acc", "{:.4f}"),
+    ("bytes_per_step", "KB/step", None),
+    ("staleness_p50", "stale p50", "{}"),
+    ("staleness_p99", "stale p99", "{}"),
+    ("pushes_dropped", "dropped", "{}"),
+)
+
+
+def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
+    if key in ("model", "scenario", "system"):
+        return str(r.get(key))
+    if r.get("skipped"):
+        return "skipped" if key == "samples_per_s" else "-"
+    if r.get("error"):
+        return "failed" if key == "samples_per_s" else "-"
+    v = r.get(key)
+    if v is None:
+        return "-"
+    if key == "bytes_per_step":
+        return f"{v / 1e3:.1f}"
+    return fmt.format(v)
+
+
+def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
+    """The summary table: one row per run; ratios against DDP in the same model and scenario."""
+    head = [title for _, title, _ in _SUMMARY]
+    rows = [[_cell(r, k, fmt) for k, _, fmt in _SUMMARY] for r in records]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
