@@ -2,14 +2,14 @@
 
 Threads (see docs/architecture.md, "Threads"):
 
-* one *receiver* takes every push from the network: any-source receive of a header on the push-header
-  flow, full validation (wire.WireSpec), then the payload from that sender on the push-data flow; it
-  routes the push to the applier of its bucket. CLOSE messages go to every applier.
+* one *receiver* takes every push from the network: an any-source receive of one frame (header and
+  payload) into a buffer of the largest push this rank can get, full validation of the header
+  (wire.WireSpec), then a view of the payload; it routes the push to the applier of its bucket. CLOSE messages go to every applier.
 * a few *appliers* (bucket b -> applier b % A): each alone owns the state of its shards, so the hot
   path takes no lock; pushes to different shards never wait on each other beyond the applier count.
   An applier decodes and applies (rule.UpdateRule), bumps the shard version, records staleness, and
-  answers the workers whose wait condition is now met by copying the shard into a fresh send buffer
-  (a reply is never torn).
+  answers the workers whose wait condition is now met by copying the shard into a fresh frame per
+  worker (a reply is never torn).
 
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pyasync.engine import wire
+from pyasync.engine.clock import wait_until
 from pyasync.engine.rule import ShardState, UpdateRule
 from pyasync.ops import codecs as ops_codecs
 from pyasync.ops._common import Payload
@@ -98,9 +99,11 @@ class _Applier(threading.Thread):
                 if kind == "push":
                     _, b, w, clock, version, payload, mask = item
                     self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask)
+                    self.owner._progressed()
                 elif kind == "close":
                     for s in self.shards.values():
                         self.owner._on_close(self, s, item[1])
+                    self.owner._progressed()
                 elif kind == "call":
                     _, fn, box, done = item
                     try:
@@ -154,6 +157,9 @@ class Owner:
             self.route[b] = a
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
+        # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
+        self.progress = threading.Condition()
+        self.watchers = 0
         self.divisor = policy.divisor(world_size)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -194,6 +200,41 @@ class Owner:
         if self.receiver is not None:
             self.receiver.join(timeout.total_seconds())
 
+    def _progressed(self) -> None:
+        if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
+            with self.progress:
+                self.progress.notify_all()
+
+    def behind(self, want: list[int]) -> list[tuple[int, int, int]]:
+        """(bucket, worker, processed) of every owned shard that has processed fewer than want[worker]
+        pushes from some worker (read without locks: each value only grows)."""
+        return [
+            (b, w, s.processed[w])
+            for b, s in sorted(self.shards().items())
+            for w in range(self.n)
+            if s.processed[w] < want[w]
+        ]
+
+    def wait_processed(self, want: list[int], timeout, error) -> None:
+        """Block until every owned shard has processed want[w] pushes from every worker w (pushes still
+        on the network included); raises TimeoutError naming the shard and worker, or the engine's
+        failure (``error()``) as an EngineError."""
+
+        def what() -> str:
+            late = self.behind(want)
+            b, w, got = late[0]
+            return (
+                f"bucket {b}'s shard on rank {self.rank} to process the pushes of rank {w} "
+                f"({got} of {want[w]} processed)"
+            )
+
+        with self.progress:
+            self.watchers += 1
+            try:
+                wait_until(self.progress, lambda: not self.behind(want), timeout, what, error)
+            finally:
+                self.watchers -= 1
+
     def laggards(self, clock: int) -> list[int]:
         """Workers that, as this rank's shards see it, have not pushed what answering a push of
         ``clock`` needs (read without locks: for error messages only)."""
@@ -213,14 +254,15 @@ class Owner:
     # -- receiver thread ---------------------------------------------------------------------------
     def _recv_loop(self) -> None:
         remaining = set(range(self.n)) - {self.rank}
+        size = self.spec.max_push_frame()  # fixed by this rank's layout, never by a peer
         try:
             while remaining:
-                hdr = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
-                src = self.transport.recv_any(hdr, "push_hdr")
-                self.bytes_received += hdr.numel() * 8
-                h = wire.parse_header(hdr, src)
+                frame = torch.empty(size, dtype=torch.uint8)
+                src = self.transport.recv_any(frame, "push")
+                h = wire.frame_header(frame, src)
                 if h.kind == wire.CLOSE:
                     self.spec.check_close(h)
+                    self.bytes_received += wire.HEADER_BYTES
                     if src not in remaining:
                         raise wire.WireError(f"rank {src} sent CLOSE twice")
                     remaining.discard(src)
@@ -232,10 +274,8 @@ class Owner:
                     raise wire.WireError(
                         f"PUSH from rank {src} for bucket {h.bucket}, whose shard {self.rank} is empty"
                     )
-                buf = torch.empty(h.nbytes, dtype=torch.uint8)
-                self.transport.recv(buf, src, "push_data", sub=h.bucket)
-                self.bytes_received += h.nbytes
-                payload, mask_t = wire.unpack_push(buf, h)
+                self.bytes_received += wire.HEADER_BYTES + h.nbytes
+                payload, mask_t = wire.unpack_push(wire.frame_body(frame, h), h)
                 mask = mask_t.tolist()
                 if any(m not in (0, 1) for m in mask):
                     raise wire.WireError(
@@ -314,25 +354,60 @@ class Owner:
             return
         if not payload.finite:
             ap.c.nonfinite += 1  # counts as zeros in the mean
+            s.agg_held[w] = None
         else:
-            self._accumulate(s, payload, mask)
+            s.agg_held[w] = payload
             s.agg_fresh += 1
+            self._union_mask(s, mask)
+        self._sum_in_order(s)
         s.pushers.add(w)
         s.pending[w] = clock
         self._maybe_update(ap, s)
 
-    def _accumulate(self, s: ShardState, payload: Payload, mask: list[bool]) -> None:
-        first = s.agg is None
-        if first:
-            s.agg = torch.zeros_like(s.master)
-        ops_codecs.decode(payload, out=s.agg, alpha=1.0 / self.divisor, accumulate=True)
+    def _union_mask(self, s: ShardState, mask: list[bool]) -> None:
         for i, m in enumerate(mask):
             s.agg_mask[i] = s.agg_mask[i] or m
+
+    def _accumulate(self, s: ShardState, payload: Payload, mask: list[bool] | None = None) -> None:
+        if s.agg is None:
+            s.agg = torch.zeros_like(s.master)
+        ops_codecs.decode(payload, out=s.agg, alpha=1.0 / self.divisor, accumulate=True)
+        if mask is not None:
+            self._union_mask(s, mask)
+
+    def _sum_in_order(self, s: ShardState, flush: bool = False) -> None:
+        """Sum the held fresh pushes into agg in rank order.
+
+        Note [Rank-order sum]
+            fp32 addition is not associative, so an aggregate summed in arrival order differs in the
+            last bits from run to run, and a BSP run resumed from a checkpoint would not be
+            bit-identical to an uninterrupted one. Fresh pushes are therefore held until every lower
+            rank has pushed (or closed) and summed in ascending rank order as soon as they can be, so
+            most of the decoding still overlaps the wait for the last push. Under Quorum the round's
+            pushers are not known in advance: what is still held when the update fires (``flush``)
+            is summed then, again in ascending rank order, so the sum's order depends only on who
+            pushed. Late pushes folded under Quorum(late="fold") go in on arrival."""
+        while s.agg_next < self.n:
+            w = s.agg_next
+            if w in s.agg_held:
+                p = s.agg_held.pop(w)
+                if p is not None:
+                    self._accumulate(s, p)
+            elif not s.closed[w]:
+                break
+            s.agg_next += 1
+        if flush:
+            for w in sorted(s.agg_held):
+                p = s.agg_held.pop(w)
+                if p is not None:
+                    self._accumulate(s, p)
 
     def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
         closed = {w for w in range(self.n) if s.closed[w]}
         if not force and not (s.pushers and self.policy.update_ready(s.pushers, closed, self.n)):
             return
+        self._sum_in_order(s, flush=True)
+        s.agg_next = 0
         if s.agg_fresh or s.fold_stale:
             self.rule.apply(s, dense=s.agg, seg_mask=s.agg_mask)
             s.version += 1
@@ -368,6 +443,7 @@ class Owner:
         if self.policy.mode == "each":
             self._answer_each(ap, s)
         else:
+            self._sum_in_order(s)  # the sum may have been waiting for this rank's turn
             self._maybe_update(ap, s)
         if all(s.closed) and not s.finalized:
             if self.policy.mode != "each" and (s.agg_fresh or s.fold_stale or s.pending):
@@ -381,9 +457,7 @@ class Owner:
         clocks = [p - 1 for p in s.processed]
         remote = [(w, c) for w, c in dests if w != self.rank]
         if remote:
-            buf = wire.pack_reply(
-                wire.to_host(s.master), clocks
-            )  # a snapshot: the send never sees a later update
+            host = wire.to_host(s.master)  # each frame is a copy: a send never sees a later update
             for w, c in remote:
                 h = wire.Header(
                     kind=wire.REPLY,
@@ -394,14 +468,13 @@ class Owner:
                     shard=self.rank,
                     codec=0,
                     numel=s.master.numel(),
-                    nbytes=buf.numel(),
+                    nbytes=0,  # set by pack_reply
                     flags=wire.FLAG_FINAL if final else 0,
                     count=self.n,
                 )
-                hdr = wire.encode_header(h)
-                ap.handles.append(self.transport.send(hdr, w, "reply_hdr"))
-                ap.handles.append(self.transport.send(buf, w, "reply_data", sub=s.bucket))
-                ap.c.bytes_sent += hdr.numel() * 8 + buf.numel()
+                frame = wire.pack_reply(host, clocks, header=h)
+                ap.handles.append(self.transport.send(frame, w, "reply"))
+                ap.c.bytes_sent += frame.numel()
         local = [c for w, c in dests if w == self.rank]
         if local:
             values = s.master.clone()
