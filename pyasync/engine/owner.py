@@ -13,6 +13,17 @@ Threads (see docs/architecture.md, "Threads"):
 
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback.
+
+Note [Frame reuse]
+    Buffers are reused across steps instead of being allocated per message: a fresh multi-megabyte
+    tensor per message costs a page fault per 4 KiB the first time it is touched (bench/overlap.py
+    counted 30-40 thousand minor faults per step per rank at 25 MB buckets), which is CPU time taken
+    from backward. On the CPU path: the worker encodes each push straight into one of two frames per
+    (bucket, shard) (wire.PushFrame) and an applier copies each reply into one of two frames per
+    (bucket, worker) (wire.ReplyFrame); a frame is reused after waiting for its previous send (two
+    messages ago, long done). Receive buffers come from a wire.FramePool: the owner's go back when
+    the push has been applied, summed or dropped; the worker's when its reply leaves the mailbox and
+    install() is not reading it. A buffer lost on an error path is simply garbage-collected.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ class Reply:
     values: torch.Tensor  # fp32 shard values
     clocks: list[int]  # per worker: highest clock fully included in values
     final: bool = False  # the owner's last word on this shard (after every rank closed)
+    frame: torch.Tensor | None = None  # the receive buffer values lives in (given back to its pool)
 
 
 #: Sends a thread keeps in flight before it retires the oldest ones.
@@ -97,8 +109,8 @@ class _Applier(threading.Thread):
                 item = self.q.get()
                 kind = item[0]
                 if kind == "push":
-                    _, b, w, clock, version, payload, mask = item
-                    self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask)
+                    _, b, w, clock, version, payload, mask, frame = item
+                    self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask, frame)
                     self.owner._progressed()
                 elif kind == "close":
                     for s in self.shards.values():
@@ -157,6 +169,10 @@ class Owner:
             self.route[b] = a
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
+        # Push receive buffers, recycled: an applier gives a push's buffer back once it is summed or
+        # applied (Note [Frame reuse]); sized by this rank's layout only.
+        self.push_pool = wire.FramePool(spec.max_push_frame())
+        self.reply_frames: dict[tuple[int, int], list[wire.ReplyFrame]] = {}  # (bucket, worker) -> 2 frames
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
         self.watchers = 0
@@ -171,7 +187,7 @@ class Owner:
             self.receiver.start()
 
     def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool]) -> None:
-        self.route[b].q.put(("push", b, self.rank, clock, version, payload, mask))
+        self.route[b].q.put(("push", b, self.rank, clock, version, payload, mask, None))
 
     def local_close(self) -> None:
         for a in self.appliers:
@@ -254,10 +270,9 @@ class Owner:
     # -- receiver thread ---------------------------------------------------------------------------
     def _recv_loop(self) -> None:
         remaining = set(range(self.n)) - {self.rank}
-        size = self.spec.max_push_frame()  # fixed by this rank's layout, never by a peer
         try:
             while remaining:
-                frame = torch.empty(size, dtype=torch.uint8)
+                frame = self.push_pool.get()
                 src = self.transport.recv_any(frame, "push")
                 h = wire.frame_header(frame, src)
                 if h.kind == wire.CLOSE:
@@ -283,6 +298,7 @@ class Owner:
                     )
                 s = self.route[h.bucket].shards[h.bucket]
                 if s.master.device.type != "cpu":
+                    frame = None  # the payload is copied to the device below; the frame is not kept
                     payload = Payload(
                         payload.codec,
                         payload.n,
@@ -295,7 +311,7 @@ class Owner:
                         finite=payload.finite,
                     )
                 self.route[h.bucket].q.put(
-                    ("push", h.bucket, src, h.clock, h.version, payload, [bool(m) for m in mask])
+                    ("push", h.bucket, src, h.clock, h.version, payload, [bool(m) for m in mask], frame)
                 )
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("owner receiver thread", e)
@@ -310,7 +326,10 @@ class Owner:
         version: int,
         payload: Payload,
         mask: list[bool],
+        frame: torch.Tensor | None = None,
     ) -> None:
+        """One push from worker w. ``frame``: the receive buffer the payload lives in, given back to
+        the pool once the payload has been applied, summed or dropped."""
         b = s.bucket
         if s.closed[w]:
             raise wire.WireError(f"PUSH from rank {w} for bucket {b} arrived after its CLOSE")
@@ -338,6 +357,7 @@ class Owner:
                 ap.c.applied += 1
                 ap.c.updates += 1
                 ap.c.stale(stale)
+            self.push_pool.put(frame)
             s.pending[w] = clock
             self._answer_each(ap, s)
             return
@@ -350,13 +370,15 @@ class Owner:
                 s.fold_stale.append(s.version - version)
             else:
                 ap.c.dropped += 1
+            self.push_pool.put(frame)
             self._reply(ap, s, [(w, clock)])  # superseded: catch up at once
             return
         if not payload.finite:
             ap.c.nonfinite += 1  # counts as zeros in the mean
             s.agg_held[w] = None
+            self.push_pool.put(frame)
         else:
-            s.agg_held[w] = payload
+            s.agg_held[w] = (payload, frame)
             s.agg_fresh += 1
             self._union_mask(s, mask)
         self._sum_in_order(s)
@@ -390,17 +412,19 @@ class Owner:
         while s.agg_next < self.n:
             w = s.agg_next
             if w in s.agg_held:
-                p = s.agg_held.pop(w)
-                if p is not None:
-                    self._accumulate(s, p)
+                self._sum_held(s, s.agg_held.pop(w))
             elif not s.closed[w]:
                 break
             s.agg_next += 1
         if flush:
             for w in sorted(s.agg_held):
-                p = s.agg_held.pop(w)
-                if p is not None:
-                    self._accumulate(s, p)
+                self._sum_held(s, s.agg_held.pop(w))
+
+    def _sum_held(self, s: ShardState, held) -> None:
+        if held is not None:
+            payload, frame = held
+            self._accumulate(s, payload)
+            self.push_pool.put(frame)
 
     def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
         closed = {w for w in range(self.n) if s.closed[w]}
@@ -425,6 +449,20 @@ class Owner:
         s.pending.clear()
         if waiters:
             self._reply(ap, s, waiters)
+
+    def _reply_frame(self, s: ShardState, w: int) -> wire.ReplyFrame:
+        """The send buffer for this reply of shard s to worker w (applier thread; CPU): two per (shard,
+        worker), used in turn; the one taken carried the reply before last, whose send is waited for
+        (long done, unless worker w stopped receiving: then a TimeoutError naming it)."""
+        ring = self.reply_frames.get((s.bucket, w))
+        if ring is None:
+            ring = self.reply_frames[(s.bucket, w)] = [wire.ReplyFrame(s.master.numel(), self.n) for _ in range(2)]
+        fr = ring[0]
+        ring.append(ring.pop(0))
+        if fr.handle is not None:
+            fr.handle.wait(self.timeout)
+            fr.handle = None
+        return fr
 
     def _answer_each(self, ap: _Applier, s: ShardState) -> None:
         included = [p - 1 for p in s.processed]
@@ -457,7 +495,9 @@ class Owner:
         clocks = [p - 1 for p in s.processed]
         remote = [(w, c) for w, c in dests if w != self.rank]
         if remote:
+            cpu = s.master.device.type == "cpu"
             host = wire.to_host(s.master)  # each frame is a copy: a send never sees a later update
+            clocks_t = torch.tensor(clocks, dtype=torch.int64)
             for w, c in remote:
                 h = wire.Header(
                     kind=wire.REPLY,
@@ -468,12 +508,19 @@ class Owner:
                     shard=self.rank,
                     codec=0,
                     numel=s.master.numel(),
-                    nbytes=0,  # set by pack_reply
+                    nbytes=0,  # set when the frame is written
                     flags=wire.FLAG_FINAL if final else 0,
                     count=self.n,
                 )
-                frame = wire.pack_reply(host, clocks, header=h)
-                ap.handles.append(self.transport.send(frame, w, "reply"))
+                if cpu:
+                    fr = self._reply_frame(s, w)
+                    frame = fr.fill(h, host, clocks_t)
+                else:
+                    fr, frame = None, wire.pack_reply(host, clocks, header=h)
+                handle = self.transport.send(frame, w, "reply")
+                if fr is not None:
+                    fr.handle = handle
+                ap.handles.append(handle)
                 ap.c.bytes_sent += frame.numel()
         local = [c for w, c in dests if w == self.rank]
         if local:

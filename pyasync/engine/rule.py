@@ -41,7 +41,8 @@ class ShardState:
         self.fold_stale: list[int] = []  # staleness of late pushes folded into agg
         # Fresh pushes are summed into agg in rank order (Note [Rank-order sum] in owner.py):
         self.agg_next = 0  # next worker rank to sum; every lower rank is summed or closed
-        self.agg_held: dict[int, Payload | None] = {}  # fresh pushes waiting for their turn (None: non-finite)
+        # fresh pushes waiting for their turn: worker -> (payload, its receive buffer or None); None: non-finite
+        self.agg_held: dict[int, tuple[Payload, torch.Tensor | None] | None] = {}
         self.finalized = False
         self.generic = None  # private torch optimizer (generic rule)
         self.generic_views: list[tuple[int, torch.Tensor]] = []

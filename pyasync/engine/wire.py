@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ from pyasync.ops._common import CODEC_IDS, CODEC_NAMES, Payload
 __all__ = [
     "CLOSE",
     "FLAG_FINAL",
+    "FramePool",
+    "PushFrame",
+    "ReplyFrame",
     "FLAG_FINITE",
     "FORMAT_VERSION",
     "HEADER_LEN",
@@ -360,6 +364,68 @@ def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
         finite=h.finite,
     )
     return p, v["mask"]
+
+
+class PushFrame:
+    """A reusable send buffer for the pushes of one (bucket, shard) on the CPU: header | codes |
+    scales or indices | mask. ``payload`` and ``mask`` are views into it, so the encoder writes the
+    payload in place (no allocation, no copy); :meth:`seal` writes the header. Zeroed once, so the
+    alignment padding never carries stale memory. ``handle``: its last send, waited before reuse."""
+
+    def __init__(self, codec: str, n: int, block: int, k: int, mask_len: int) -> None:
+        parts, self.nbytes = push_parts(codec, n, block, k, mask_len)
+        self.buf = torch.zeros(HEADER_BYTES + self.nbytes, dtype=torch.uint8)
+        v = _views(self.buf[HEADER_BYTES:], parts)
+        self.payload = Payload(
+            codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
+        )
+        self.mask = v["mask"]
+        self.handle = None
+
+    def seal(self, header: Header) -> torch.Tensor:
+        """Write ``header`` (its nbytes set to the payload size) in front; returns the frame."""
+        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        return self.buf
+
+
+class ReplyFrame:
+    """A reusable send buffer for the replies of one shard to one worker on the CPU: header | fp32
+    values | clocks. Zeroed once (no stale padding). ``handle``: its last send, waited before reuse."""
+
+    def __init__(self, n: int, world_size: int) -> None:
+        parts, self.nbytes = reply_parts(n, world_size)
+        self.buf = torch.zeros(HEADER_BYTES + self.nbytes, dtype=torch.uint8)
+        v = _views(self.buf[HEADER_BYTES:], parts)
+        self.values, self.clocks = v["values"], v["clocks"]
+        self.handle = None
+
+    def fill(self, header: Header, values: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:
+        """Copy the values (a snapshot: later updates never reach a frame in flight) and the clock
+        vector, write the header; returns the frame."""
+        self.values.copy_(values)
+        self.clocks.copy_(clocks)
+        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        return self.buf
+
+
+class FramePool:
+    """Receive buffers of one size, recycled: a receiver takes one (or a new one when none is free), and
+    whoever consumes the message gives it back once nothing reads it any more. A buffer that is never
+    given back (an error path) is simply garbage-collected. Thread-safe."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+
+    def get(self) -> torch.Tensor:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def put(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self._free.put(buf)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,10 @@ class Engine:
         # Worker state (main thread, plus `cond` for what threads share).
         self.clock = 0
         self.mailbox: dict[tuple[int, int], Reply] = {}
+        # Reply receive buffers, recycled (see _release): the newest reply per shard keeps its buffer.
+        self.reply_pool = wire.FramePool(spec.max_reply_frame())  # sized by this rank's layout only
+        self.reading: list[Reply] = []  # replies install() is reading (outside cond)
+        self.orphans: list[Reply] = []  # replies superseded while being read
         self.answered = {k: -1 for k in self.nonempty}
         self.finals: set[tuple[int, int]] = set()
         self.installed_version = {k: 0 for k in self.nonempty}
@@ -153,6 +157,7 @@ class Engine:
         )
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: list[Handle] = []
+        self.push_frames: dict[tuple[int, int], list[wire.PushFrame]] = {}  # see _push_frame
         self.hooks = []
         for i, p in enumerate(params):
             if i in self.param_bucket:
@@ -275,14 +280,32 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("push thread", e)
 
+    def _push_frame(self, b: int, r: int) -> wire.PushFrame | None:
+        """The send buffer for this step's push to shard (b, r) (CPU only): two per shard, used in turn;
+        the one taken was last sent two steps ago, and that send is waited for (long done, unless the
+        owner stopped receiving: then a TimeoutError naming it) before it is overwritten."""
+        ring = self.push_frames.get((b, r))
+        if ring is None:
+            return None  # the first push sizes the ring (see _push_bucket)
+        fr = ring[0]
+        ring.append(ring.pop(0))
+        if fr.handle is not None:
+            fr.handle.wait(self.timeout)
+            fr.handle = None
+        return fr
+
     def _push_bucket(self, b: int, clock: int, grads, has, versions) -> None:
         lay = self.layouts[b]
         self._flatten(b, grads)
+        cpu = self.device.type == "cpu"
         for r in range(self.n):
             sh = lay.shards[r]
             if sh.numel == 0:
                 continue
-            payload = self.comp.compress(self.flat[b][sh.begin : sh.end], key=(b, r))
+            fr = self._push_frame(b, r) if cpu and r != self.rank else None
+            payload = self.comp.compress(
+                self.flat[b][sh.begin : sh.end], key=(b, r), out=None if fr is None else fr.payload
+            )
             if not payload.finite:
                 self._on_nonfinite(b, clock)
             mask = [has[slot] for slot in sh.slots]
@@ -290,8 +313,10 @@ class Engine:
             self.enc_bytes += payload.nbytes
             self.pushes_sent += 1
             if r == self.rank:
-                local = _clone_payload(payload)
-                if local.device.type == "cuda":
+                if cpu:
+                    local = payload  # a fresh payload (compress allocated it), owned by the applier now
+                else:
+                    local = _clone_payload(payload)
                     # The applier runs on another stream: the copy must be complete before it is queued.
                     torch.cuda.current_stream(local.device).synchronize()
                 self.owner.local_push(b, clock, versions[r], local, mask)
@@ -305,15 +330,27 @@ class Engine:
                 shard=r,
                 codec=wire.CODEC_IDS[payload.codec],
                 numel=sh.numel,
-                nbytes=0,  # set by pack_push
+                nbytes=0,  # set by seal / pack_push
                 k=payload.k,
                 block=payload.block,
                 flags=wire.FLAG_FINITE if payload.finite else 0,
                 count=len(mask),
             )
-            frame = wire.pack_push(payload, torch.tensor(mask, dtype=torch.uint8, device=payload.device), header=h)
-            frame = wire.to_host(frame)  # pinned host staging for gloo (CUDA), no-op on CPU
-            self.handles.append(self.transport.send(frame, r, "push"))
+            mask_t = torch.tensor(mask, dtype=torch.uint8)
+            if fr is not None:
+                fr.mask.copy_(mask_t)
+                frame = fr.seal(h)
+            else:
+                frame = wire.pack_push(payload, mask_t.to(payload.device), header=h)
+                frame = wire.to_host(frame)  # pinned host staging for gloo (CUDA), no-op on CPU
+                if cpu:  # from now on this shard's pushes are encoded straight into two reused frames
+                    self.push_frames[(b, r)] = [
+                        wire.PushFrame(payload.codec, payload.n, payload.block, payload.k, len(mask)) for _ in range(2)
+                    ]
+            handle = self.transport.send(frame, r, "push")
+            if fr is not None:
+                fr.handle = handle
+            self.handles.append(handle)
             self.bytes_sent += frame.numel()
 
     def _nonfinite_text(self, b: int, clock: int) -> str:
@@ -341,22 +378,35 @@ class Engine:
             )
 
     # -- replies -----------------------------------------------------------------------------------
+    def _release(self, rep: Reply) -> None:
+        """Give the receive buffer of a reply no longer in the mailbox back to the pool, unless install()
+        is reading it right now (then install gives it back). Caller holds cond."""
+        if rep.frame is None:
+            return
+        if any(r is rep for r in self.reading):
+            self.orphans.append(rep)
+        else:
+            self.reply_pool.put(rep.frame)
+
     def _deliver(self, rep: Reply) -> None:
         with self.cond:
             key = (rep.bucket, rep.shard)
             cur = self.mailbox.get(key)
             if rep.final or cur is None or rep.version >= cur.version:
                 self.mailbox[key] = rep
+                if cur is not None:
+                    self._release(cur)
+            else:
+                self._release(rep)  # already superseded
             self.answered[key] = max(self.answered[key], rep.clock)
             if rep.final:
                 self.finals.add(key)
             self.cond.notify_all()
 
     def _reply_loop(self, expected_finals: set) -> None:
-        size = self.spec.max_reply_frame()  # fixed by this rank's layout, never by a peer
         try:
             while expected_finals:
-                frame = torch.empty(size, dtype=torch.uint8)
+                frame = self.reply_pool.get()
                 src = self.transport.recv_any(frame, "reply")
                 h = wire.frame_header(frame, src)
                 self.spec.check_reply(h)
@@ -373,6 +423,7 @@ class Engine:
                         values=values,
                         clocks=clocks,
                         final=h.final,
+                        frame=frame,
                     )
                 )
                 if h.final:
@@ -455,15 +506,23 @@ class Engine:
                 for k, rep in self.mailbox.items()
                 if final or rep.version != self.installed_version[k]
             ]
-        with torch.no_grad():
-            for (b, r), rep in todo:
-                lay = self.layouts[b]
-                values = rep.values if rep.values.device == self.device else rep.values.to(self.device)
-                ops_bucketing.unflatten(
-                    values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
-                )
-                self.installed_version[(b, r)] = rep.version
-                self.installed_clocks[(b, r)] = list(rep.clocks)
+            self.reading = [rep for _, rep in todo]  # their buffers stay out of the pool meanwhile
+        try:
+            with torch.no_grad():
+                for (b, r), rep in todo:
+                    lay = self.layouts[b]
+                    values = rep.values if rep.values.device == self.device else rep.values.to(self.device)
+                    ops_bucketing.unflatten(
+                        values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
+                    )
+                    self.installed_version[(b, r)] = rep.version
+                    self.installed_clocks[(b, r)] = list(rep.clocks)
+        finally:
+            with self.cond:
+                self.reading = []
+                for rep in self.orphans:
+                    self.reply_pool.put(rep.frame)
+                self.orphans = []
 
     # -- close -------------------------------------------------------------------------------------
     def close(self) -> None:
