@@ -415,12 +415,14 @@ class FramePool:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.allocated = 0  # buffers made so far (for tests and stats: flat in steady state)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
 
     def get(self) -> torch.Tensor:
         try:
             return self._free.get_nowait()
         except queue.Empty:
+            self.allocated += 1
             return torch.empty(self.nbytes, dtype=torch.uint8)
 
     def put(self, buf: torch.Tensor | None) -> None:
