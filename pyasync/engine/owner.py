@@ -176,6 +176,7 @@ class Owner:
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
         self.watchers = 0
+        self.paused = False  # see pause()
         self.divisor = policy.divisor(world_size)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -220,6 +221,20 @@ class Owner:
         if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
             with self.progress:
                 self.progress.notify_all()
+
+    def pause(self, on: bool, timeout) -> None:
+        """Checkpoint barrier (Note [Quorum and save] in pyasync/checkpoint.py): while paused, an
+        aggregate round is applied as soon as it has a push, whatever the policy's quorum, and rounds
+        already waiting are applied now (in the appliers' threads, between pushes)."""
+        self.paused = on
+        if on and self.policy.mode != "each":
+
+            def flush(ap: _Applier) -> None:
+                for s in ap.shards.values():
+                    if s.pushers:
+                        self._maybe_update(ap, s)
+
+            self.call(flush, timeout)
 
     def behind(self, want: list[int]) -> list[tuple[int, int, int]]:
         """(bucket, worker, processed) of every owned shard that has processed fewer than want[worker]
@@ -428,7 +443,7 @@ class Owner:
 
     def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
         closed = {w for w in range(self.n) if s.closed[w]}
-        if not force and not (s.pushers and self.policy.update_ready(s.pushers, closed, self.n)):
+        if not force and not (s.pushers and (self.paused or self.policy.update_ready(s.pushers, closed, self.n))):
             return
         self._sum_in_order(s, flush=True)
         s.agg_next = 0
