@@ -70,8 +70,6 @@ import os
 import re
 import secrets
 import tempfile
-import threading
-import time
 from typing import Any
 
 import torch
@@ -171,11 +169,10 @@ def _drain(opt: DistributedOptimizer) -> None:
     rank owns: processed[w] == clock of worker w for every owned shard. See Note [Checkpoint drain].
 
     Note [Checkpoint drain]
-    The engine offers no drain short of close(). Every rank's clock (completed steps; each step pushes
-    every bucket once) is exchanged with an all_gather, then each rank asks its applier threads, with
-    Owner.call (which runs between pushes, in queue order), whether each owned shard has processed
-    that many pushes from every worker; pushes still on the network are not queued yet, so it asks
-    again until they are (bounded by the optimizer's timeout). Under BSP this returns at once: a step
+    Every rank's clock (completed steps; each step pushes every bucket once) is exchanged with an
+    all_gather, then each rank waits (Owner.wait_processed: a condition its applier threads notify
+    after every push, bounded by the optimizer's timeout) until each owned shard has processed that
+    many pushes from every worker, pushes still on the network included. Under BSP this returns at once: a step
     only returns once every owner applied that clock. Under SSP/ASP a processed push is an applied
     push, so the checkpoint holds every push made before the save. Under Quorum(k < n) a processed
     late push may be dropped by policy or, with late="fold", wait in the next aggregate, which is not
@@ -191,27 +188,7 @@ def _drain(opt: DistributedOptimizer) -> None:
         clocks = [mine]
     want = [int(c.item()) for c in clocks]
 
-    def behind(ap) -> list[tuple[int, int, int]]:
-        return [
-            (b, w, s.processed[w])
-            for b, s in ap.shards.items()
-            for w in range(world)
-            if s.processed[w] < want[w]
-        ]
-
-    deadline = time.monotonic() + opt._timeout.total_seconds()
-    while True:
-        late = [x for part in eng.owner.call(behind, opt._timeout) for x in part]
-        if not late:
-            return
-        eng.check()  # a failed engine thread raises its error instead of waiting out the timeout
-        if time.monotonic() > deadline:
-            b, w, got = late[0]
-            raise TimeoutError(
-                f"save_checkpoint: bucket {b}'s shard on rank {opt.rank} has processed {got} pushes "
-                f"from rank {w}, which has made {want[w]}, after {opt._timeout}"
-            )
-        threading.Event().wait(0.001)  # let the receiver thread queue the pushes still on the wire
+    eng.owner.wait_processed(want, opt._timeout, eng._err)
 
 
 # -- save -----------------------------------------------------------------------------------------------

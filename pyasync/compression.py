@@ -108,12 +108,14 @@ class Compressor:
             n = 1 << 24
         return self.wire_bytes(n) / (4.0 * n)
 
-    def compress(self, tensor: torch.Tensor, key: Hashable = None) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Hashable = None, out: Optional[Payload] = None) -> Payload:
         """Encode `tensor` (contiguous fp32, any shape; n elements) plus the residual of slot `key`.
 
         The residual of `key` is created on first use (zeros, the tensor's size and device); a later
-        call with a different element count for the same key is an error. Returns the payload;
-        ``payload.finite`` is False when the tensor held NaN/Inf (drop it: the residual is unchanged).
+        call with a different element count for the same key is an error. Returns the payload (a new
+        one, or `out` filled in place: a payload of this codec, n, block and k, e.g. views into a
+        send buffer); ``payload.finite`` is False when the tensor held NaN/Inf (drop it: the residual
+        is unchanged).
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -127,9 +129,9 @@ class Compressor:
         if n == 0 and self.name == "topk":
             raise ValueError("TopK cannot compress an empty tensor (it keeps at least one element)")
         if not self.error_feedback:
-            return _codecs.encode(self.name, flat, **kwargs)
+            return _codecs.encode(self.name, flat, out=out, **kwargs)
         cur, spare = self._slot(key, flat)
-        payload = _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, **kwargs)
+        payload = _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
         if payload.finite:
             self._residuals[key] = [spare, cur]
         return payload

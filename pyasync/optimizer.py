@@ -67,6 +67,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: optional iterable of (name, parameter), for messages and checkpoint keys.
         timeout: the longest any wait (step, close, startup) may take before a clear error.
         num_appliers: applier threads per rank (shards of different buckets are applied in parallel).
+        on_nonfinite: what a gradient holding NaN/Inf does. "skip" (default): the push is never
+            applied (owners count it in ``stats().nonfinite_skipped``; this rank logs a warning with
+            the bucket's parameter names, once). "raise": the same, and then ``step()`` raises
+            :class:`pyasync.NonFiniteGradientError` on the rank that computed it (after its step
+            completed, so the optimizer stays usable). The check is fused into the encode kernels.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         num_appliers: int = 2,
+        on_nonfinite: str = "skip",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -100,6 +106,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
         if isinstance(num_appliers, bool) or not isinstance(num_appliers, int) or num_appliers < 1:
             raise ValueError(f"num_appliers must be an int >= 1, got {num_appliers!r}")
+        if on_nonfinite not in ("skip", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -243,6 +251,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             timeout=timeout,
             spec=spec,
             num_appliers=num_appliers,
+            names=self._names,
+            on_nonfinite=on_nonfinite,
         )
 
     # -- torch.optim.Optimizer interface ---------------------------------------------------------------

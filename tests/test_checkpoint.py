@@ -1,8 +1,8 @@
-"""Sharded checkpoints (pyasync.save_checkpoint / load_checkpoint), gloo on CPU, 2-3 ranks.
+"""Sharded checkpoints (pyasync.save_checkpoint / load_checkpoint), gloo on CPU, 2-4 ranks.
 
 * Resume: stop at step K, save, load into a fresh model + optimizer, continue: the parameters are
-  bit-identical to an uninterrupted run at every later step (SGD momentum, AdamW, SGD + Int8 with
-  error feedback, a bf16 parameter).
+  bit-identical to an uninterrupted run at every later step, on 2 and 4 ranks (SGD momentum, AdamW,
+  SGD + Int8 with error feedback, a bf16 parameter).
 * Corrupt, truncated, foreign and mismatched checkpoints: CheckpointError on every rank, naming the
   file and the problem on the rank that found it, and the optimizer and model are left untouched.
 * An interrupted save (the manifest write fails) leaves the previous checkpoint whole and loadable.
@@ -116,22 +116,18 @@ def _resume(rank, world, root, kinds):
 
 @pytest.mark.parametrize(
     "world, kinds",
-    [(2, ("sgd", "adamw", "sgd-int8", "adamw-bf16")), (3, ("adamw",))],
-    ids=["n2-sgd-adamw-int8-bf16", "n3-adamw"],
+    [(2, ("sgd", "adamw", "sgd-int8", "adamw-bf16")), (4, ("adamw", "sgd-int8"))],
+    ids=["n2-sgd-adamw-int8-bf16", "n4-adamw-int8"],
 )
 def test_resume_is_bit_identical(tmp_path, world, kinds):
-    """Bit-identical on 2 ranks. On 3 ranks a BSP owner sums the n pushes in arrival order
-    (owner._accumulate), so even two uninterrupted runs differ in the last bits: there the resumed
-    run is checked to a float32-rounding tolerance, the loaded parameters still bit-exactly."""
-    res = run_workers(_resume, world, args=(str(tmp_path), kinds), timeout=120)
+    """Bit-identical at every later step, on any number of ranks: a BSP owner sums the round's pushes
+    in rank order, not arrival order (Note [Rank-order sum] in pyasync/engine/owner.py)."""
+    res = run_workers(_resume, world, args=(str(tmp_path), kinds), timeout=180)
     for rank, r in enumerate(res):
         for kind in kinds:
             what = f"rank {rank} {kind}"
             assert r[kind]["loaded_equal"], f"{what}: loaded parameters differ from the saved ones"
-            if world == 2:
-                assert r[kind]["steps_equal"] == [True] * MORE, f"{what}: resumed run diverges"
-            else:
-                assert max(r[kind]["worst"]) < 1e-5, f"{what}: resumed run diverges {r[kind]['worst']}"
+            assert r[kind]["steps_equal"] == [True] * MORE, f"{what}: resumed run diverges {r[kind]['worst']}"
             assert r[kind]["moved"] > 1e-3, f"{what}: the model did not train after the save"
     m = json.loads((tmp_path / kinds[0] / "manifest.json").read_text())
     assert m["format"] == "pyasync-checkpoint" and m["world_size"] == world

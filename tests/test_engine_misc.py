@@ -362,7 +362,7 @@ def _corrupt_header(rank, world, sent):
                 kind=wire.PUSH, sender=1, clock=0, version=0, bucket=0, shard=0, codec=7, numel=4, nbytes=16
             )
         )
-        opt._engine.transport.send(bad, 0, "push_hdr").wait(datetime.timedelta(seconds=5))
+        opt._engine.transport.send(bad.view(torch.uint8), 0, "push").wait(datetime.timedelta(seconds=5))
         sent.set()
         msg = None
     else:

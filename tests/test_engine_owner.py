@@ -19,7 +19,7 @@ class FakeTransport:
         self.sent = []  # (dst, flow, header or None)
 
     def send(self, buf, dst, flow, sub=0):
-        h = wire.parse_header(buf, 0) if flow == "reply_hdr" else None
+        h = wire.frame_header(buf, 0) if flow == "reply" else None
         self.sent.append((dst, flow, h))
 
         class Done:
@@ -62,7 +62,7 @@ def push(owner, ap, s, w, clock, version, grad=1.0, finite=True, mask=True):
 
 
 def answered(tp, local):
-    return sorted([(d, h.clock) for d, f, h in tp.sent if f == "reply_hdr"] + [(0, r.clock) for r in local])
+    return sorted([(d, h.clock) for d, f, h in tp.sent if f == "reply"] + [(0, r.clock) for r in local])
 
 
 def test_bsp_one_update_per_clock_then_everyone_is_answered():
@@ -129,7 +129,7 @@ def test_asp_and_close_finalize():
     assert answered(tp, local) == [(2, 0)]
     for w in range(N):
         owner._on_close(ap, s, w)
-    finals = [(d, h.final) for d, f, h in tp.sent if f == "reply_hdr" and h.final] + [
+    finals = [(d, h.final) for d, f, h in tp.sent if f == "reply" and h.final] + [
         (0, r.final) for r in local
     ]
     assert sorted(finals) == [(0, True), (1, True), (2, True)] and s.finalized

@@ -1,11 +1,12 @@
 """Hostile input for the wire decoder (pyasync.engine.wire): random, mutated and resealed headers, and
 random payload bytes behind a valid header.
 
-Property: whatever arrives, the receive path (parse_header -> WireSpec.check_* -> allocate
-h.nbytes -> unpack -> decode) either accepts a message that exactly matches what this rank expects,
-or raises WireError (a ValueError) / ValueError / TypeError. Never another exception, a crash, a hang
-or an allocation sized by an unchecked field: a header is fully checked before h.nbytes is used, and
-an accepted header's h.nbytes is bounded by the spec (asserted before allocating).
+Property: whatever arrives, the receive path (a frame into a buffer sized by this rank's own layout
+-> frame_header -> WireSpec.check_* -> frame_body -> unpack -> decode) either accepts a message that
+exactly matches what this rank expects, or raises WireError (a ValueError) / ValueError / TypeError.
+Never another exception, a crash, a hang or an allocation sized by a peer: the receive buffer is
+fixed before anything arrives, a header is fully checked before h.nbytes is used, and an accepted
+header's h.nbytes fits the buffer (asserted).
 
 Hypothesis runs derandomized (the same examples on every run) with no deadline, so CI is stable.
 """
@@ -110,17 +111,25 @@ def valid_reply(bucket: int = 0, sender: int = 2, **kw) -> Header:
 
 def receive_push(spec: WireSpec, hdr: torch.Tensor, src: int, fill) -> tuple | None:
     """The owner's receive path (pyasync/engine/owner.py, _recv_loop), step by step, plus the decode
-    an applier does. fill(h) -> the h.nbytes uint8 payload that arrives. Returns None for a CLOSE."""
-    h = wire.parse_header(hdr, src)
+    an applier does: one frame (header, then payload) lands in a buffer of spec.max_push_frame()
+    bytes, a size fixed by this rank's layout. fill(h) -> the h.nbytes uint8 payload the sender put
+    behind the header. Returns None for a CLOSE."""
+    size = spec.max_push_frame()
+    assert size == wire.HEADER_BYTES + max_push_bytes(spec.codec)
+    frame = torch.zeros(size, dtype=torch.uint8)
+    frame[: wire.HEADER_BYTES] = hdr.view(torch.uint8)
+    h = wire.frame_header(frame, src)
     if h.kind == wire.CLOSE:
         spec.check_close(h)
         return None
     spec.check_push(h)
-    # Everything in h is checked now; the allocation it sizes is bounded by the spec.
+    # Everything in h is checked now; the payload it announces fits the receive buffer.
     assert 0 <= h.nbytes <= max_push_bytes(spec.codec), h
     assert h.numel == SHARD_NUMELS[h.bucket][RANK]
-    buf = fill(h)
-    assert buf.dtype == torch.uint8 and buf.numel() == h.nbytes
+    sent = fill(h)
+    assert sent.dtype == torch.uint8 and sent.numel() == h.nbytes
+    frame[wire.HEADER_BYTES : wire.HEADER_BYTES + h.nbytes] = sent
+    buf = wire.frame_body(frame, h)
     payload, mask = wire.unpack_push(buf, h)
     if any(m not in (0, 1) for m in mask.tolist()):
         raise WireError(f"PUSH from rank {src} has mask bytes other than 0/1")

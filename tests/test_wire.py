@@ -217,3 +217,40 @@ def test_unpack_rejects_a_buffer_of_the_wrong_size():
         wire.unpack_reply(torch.zeros(r.nbytes - 8, dtype=torch.uint8), r)
     with pytest.raises(WireError, match="unknown codec"):
         wire.unpack_push(torch.zeros(h.nbytes, dtype=torch.uint8), push_header(codec=9))
+
+
+def test_frames_carry_header_and_payload_in_one_buffer():
+    p = Payload("int8", 300, torch.arange(300, dtype=torch.int8), torch.ones(19), block=16)
+    mask = torch.tensor([1, 0, 1], dtype=torch.uint8)
+    h = push_header(codec=CODEC_IDS["int8"], numel=300, block=16, nbytes=0, count=3)
+    frame = wire.pack_push(p, mask, header=h)
+    body_bytes = wire.pack_push(p, mask)
+    assert frame.numel() == wire.HEADER_BYTES + body_bytes.numel()
+    # Received into a larger buffer (the receiver posts its largest frame): the header says how much.
+    buf = torch.full((frame.numel() + 64,), 0xAB, dtype=torch.uint8)
+    buf[: frame.numel()] = frame
+    got = wire.frame_header(buf, 0)
+    assert got.nbytes == body_bytes.numel() and got.numel == 300 and got.count == 3
+    assert torch.equal(wire.frame_body(buf, got), body_bytes)
+    q, m = wire.unpack_push(wire.frame_body(buf, got), got)
+    assert torch.equal(q.codes, p.codes) and torch.equal(q.scales, p.scales) and m.tolist() == [1, 0, 1]
+    # A header claiming more than the buffer holds is refused before anything is read from it.
+    with pytest.raises(WireError, match="more than"):
+        wire.frame_body(buf[: frame.numel() - 1], got)
+    with pytest.raises(WireError, match="at least"):
+        wire.frame_header(buf[:100], 0)
+    r = wire.pack_reply(torch.arange(5, dtype=torch.float32), [1, 2], header=wire.Header(
+        kind=wire.REPLY, sender=2, clock=1, version=3, bucket=0, shard=2, codec=0, numel=5, nbytes=0, count=2))
+    rh = wire.frame_header(r, 2)
+    values, clocks = wire.unpack_reply(wire.frame_body(r, rh), rh)
+    assert values.tolist() == [0, 1, 2, 3, 4] and clocks == [1, 2]
+
+
+def test_max_frames_are_the_largest_message_the_layout_allows():
+    spec = wire.WireSpec(1, 3, [[5, 17, 1], [300, 257, 0], [8, 8, 8]], [[1, 2, 1], [3, 4, 0], [1, 1, 1]], "int8", 16)
+    assert spec.max_push_frame() == wire.HEADER_BYTES + max(
+        wire.push_parts("int8", n, 16, 0, m)[1] for n, m in [(17, 2), (257, 4), (8, 1)]
+    )
+    assert spec.max_reply_frame() == wire.HEADER_BYTES + max(
+        wire.reply_parts(n, 3)[1] for n in [5, 1, 300, 8, 8]
+    )

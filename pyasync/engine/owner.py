@@ -2,17 +2,28 @@
 
 Threads (see docs/architecture.md, "Threads"):
 
-* one *receiver* takes every push from the network: any-source receive of a header on the push-header
-  flow, full validation (wire.WireSpec), then the payload from that sender on the push-data flow; it
-  routes the push to the applier of its bucket. CLOSE messages go to every applier.
+* one *receiver* takes every push from the network: an any-source receive of one frame (header and
+  payload) into a buffer of the largest push this rank can get, full validation of the header
+  (wire.WireSpec), then a view of the payload; it routes the push to the applier of its bucket. CLOSE messages go to every applier.
 * a few *appliers* (bucket b -> applier b % A): each alone owns the state of its shards, so the hot
   path takes no lock; pushes to different shards never wait on each other beyond the applier count.
   An applier decodes and applies (rule.UpdateRule), bumps the shard version, records staleness, and
-  answers the workers whose wait condition is now met by copying the shard into a fresh send buffer
-  (a reply is never torn).
+  answers the workers whose wait condition is now met by copying the shard into a fresh frame per
+  worker (a reply is never torn).
 
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback.
+
+Note [Frame reuse]
+    Buffers are reused across steps instead of being allocated per message: a fresh multi-megabyte
+    tensor per message costs a page fault per 4 KiB the first time it is touched (bench/overlap.py
+    counted 30-40 thousand minor faults per step per rank at 25 MB buckets), which is CPU time taken
+    from backward. On the CPU path: the worker encodes each push straight into one of two frames per
+    (bucket, shard) (wire.PushFrame) and an applier copies each reply into one of two frames per
+    (bucket, worker) (wire.ReplyFrame); a frame is reused after waiting for its previous send (two
+    messages ago, long done). Receive buffers come from a wire.FramePool: the owner's go back when
+    the push has been applied, summed or dropped; the worker's when its reply leaves the mailbox and
+    install() is not reading it. A buffer lost on an error path is simply garbage-collected.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from pyasync.engine import wire
+from pyasync.engine.clock import wait_until
 from pyasync.engine.rule import ShardState, UpdateRule
 from pyasync.ops import codecs as ops_codecs
 from pyasync.ops._common import Payload
@@ -47,6 +59,7 @@ class Reply:
     values: torch.Tensor  # fp32 shard values
     clocks: list[int]  # per worker: highest clock fully included in values
     final: bool = False  # the owner's last word on this shard (after every rank closed)
+    frame: torch.Tensor | None = None  # the receive buffer values lives in (given back to its pool)
 
 
 #: Sends a thread keeps in flight before it retires the oldest ones.
@@ -96,11 +109,13 @@ class _Applier(threading.Thread):
                 item = self.q.get()
                 kind = item[0]
                 if kind == "push":
-                    _, b, w, clock, version, payload, mask = item
-                    self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask)
+                    _, b, w, clock, version, payload, mask, frame = item
+                    self.owner._on_push(self, self.shards[b], w, clock, version, payload, mask, frame)
+                    self.owner._progressed()
                 elif kind == "close":
                     for s in self.shards.values():
                         self.owner._on_close(self, s, item[1])
+                    self.owner._progressed()
                 elif kind == "call":
                     _, fn, box, done = item
                     try:
@@ -154,6 +169,14 @@ class Owner:
             self.route[b] = a
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
+        # Push receive buffers, recycled: an applier gives a push's buffer back once it is summed or
+        # applied (Note [Frame reuse]); sized by this rank's layout only.
+        self.push_pool = wire.FramePool(spec.max_push_frame())
+        self.reply_frames: dict[tuple[int, int], list[wire.ReplyFrame]] = {}  # (bucket, worker) -> 2 frames
+        # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
+        self.progress = threading.Condition()
+        self.watchers = 0
+        self.paused = False  # see pause()
         self.divisor = policy.divisor(world_size)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -165,7 +188,7 @@ class Owner:
             self.receiver.start()
 
     def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool]) -> None:
-        self.route[b].q.put(("push", b, self.rank, clock, version, payload, mask))
+        self.route[b].q.put(("push", b, self.rank, clock, version, payload, mask, None))
 
     def local_close(self) -> None:
         for a in self.appliers:
@@ -194,6 +217,55 @@ class Owner:
         if self.receiver is not None:
             self.receiver.join(timeout.total_seconds())
 
+    def _progressed(self) -> None:
+        if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
+            with self.progress:
+                self.progress.notify_all()
+
+    def pause(self, on: bool, timeout) -> None:
+        """Checkpoint barrier (Note [Quorum and save] in pyasync/checkpoint.py): while paused, an
+        aggregate round is applied as soon as it has a push, whatever the policy's quorum, and rounds
+        already waiting are applied now (in the appliers' threads, between pushes)."""
+        self.paused = on
+        if on and self.policy.mode != "each":
+
+            def flush(ap: _Applier) -> None:
+                for s in ap.shards.values():
+                    if s.pushers:
+                        self._maybe_update(ap, s)
+
+            self.call(flush, timeout)
+
+    def behind(self, want: list[int]) -> list[tuple[int, int, int]]:
+        """(bucket, worker, processed) of every owned shard that has processed fewer than want[worker]
+        pushes from some worker (read without locks: each value only grows)."""
+        return [
+            (b, w, s.processed[w])
+            for b, s in sorted(self.shards().items())
+            for w in range(self.n)
+            if s.processed[w] < want[w]
+        ]
+
+    def wait_processed(self, want: list[int], timeout, error) -> None:
+        """Block until every owned shard has processed want[w] pushes from every worker w (pushes still
+        on the network included); raises TimeoutError naming the shard and worker, or the engine's
+        failure (``error()``) as an EngineError."""
+
+        def what() -> str:
+            late = self.behind(want)
+            b, w, got = late[0]
+            return (
+                f"bucket {b}'s shard on rank {self.rank} to process the pushes of rank {w} "
+                f"({got} of {want[w]} processed)"
+            )
+
+        with self.progress:
+            self.watchers += 1
+            try:
+                wait_until(self.progress, lambda: not self.behind(want), timeout, what, error)
+            finally:
+                self.watchers -= 1
+
     def laggards(self, clock: int) -> list[int]:
         """Workers that, as this rank's shards see it, have not pushed what answering a push of
         ``clock`` needs (read without locks: for error messages only)."""
@@ -215,12 +287,12 @@ class Owner:
         remaining = set(range(self.n)) - {self.rank}
         try:
             while remaining:
-                hdr = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
-                src = self.transport.recv_any(hdr, "push_hdr")
-                self.bytes_received += hdr.numel() * 8
-                h = wire.parse_header(hdr, src)
+                frame = self.push_pool.get()
+                src = self.transport.recv_any(frame, "push")
+                h = wire.frame_header(frame, src)
                 if h.kind == wire.CLOSE:
                     self.spec.check_close(h)
+                    self.bytes_received += wire.HEADER_BYTES
                     if src not in remaining:
                         raise wire.WireError(f"rank {src} sent CLOSE twice")
                     remaining.discard(src)
@@ -232,10 +304,8 @@ class Owner:
                     raise wire.WireError(
                         f"PUSH from rank {src} for bucket {h.bucket}, whose shard {self.rank} is empty"
                     )
-                buf = torch.empty(h.nbytes, dtype=torch.uint8)
-                self.transport.recv(buf, src, "push_data", sub=h.bucket)
-                self.bytes_received += h.nbytes
-                payload, mask_t = wire.unpack_push(buf, h)
+                self.bytes_received += wire.HEADER_BYTES + h.nbytes
+                payload, mask_t = wire.unpack_push(wire.frame_body(frame, h), h)
                 mask = mask_t.tolist()
                 if any(m not in (0, 1) for m in mask):
                     raise wire.WireError(
@@ -243,6 +313,7 @@ class Owner:
                     )
                 s = self.route[h.bucket].shards[h.bucket]
                 if s.master.device.type != "cpu":
+                    frame = None  # the payload is copied to the device below; the frame is not kept
                     payload = Payload(
                         payload.codec,
                         payload.n,
@@ -255,7 +326,7 @@ class Owner:
                         finite=payload.finite,
                     )
                 self.route[h.bucket].q.put(
-                    ("push", h.bucket, src, h.clock, h.version, payload, [bool(m) for m in mask])
+                    ("push", h.bucket, src, h.clock, h.version, payload, [bool(m) for m in mask], frame)
                 )
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("owner receiver thread", e)
@@ -270,7 +341,10 @@ class Owner:
         version: int,
         payload: Payload,
         mask: list[bool],
+        frame: torch.Tensor | None = None,
     ) -> None:
+        """One push from worker w. ``frame``: the receive buffer the payload lives in, given back to
+        the pool once the payload has been applied, summed or dropped."""
         b = s.bucket
         if s.closed[w]:
             raise wire.WireError(f"PUSH from rank {w} for bucket {b} arrived after its CLOSE")
@@ -298,6 +372,7 @@ class Owner:
                 ap.c.applied += 1
                 ap.c.updates += 1
                 ap.c.stale(stale)
+            self.push_pool.put(frame)
             s.pending[w] = clock
             self._answer_each(ap, s)
             return
@@ -310,29 +385,68 @@ class Owner:
                 s.fold_stale.append(s.version - version)
             else:
                 ap.c.dropped += 1
+            self.push_pool.put(frame)
             self._reply(ap, s, [(w, clock)])  # superseded: catch up at once
             return
         if not payload.finite:
             ap.c.nonfinite += 1  # counts as zeros in the mean
+            s.agg_held[w] = None
+            self.push_pool.put(frame)
         else:
-            self._accumulate(s, payload, mask)
+            s.agg_held[w] = (payload, frame)
             s.agg_fresh += 1
+            self._union_mask(s, mask)
+        self._sum_in_order(s)
         s.pushers.add(w)
         s.pending[w] = clock
         self._maybe_update(ap, s)
 
-    def _accumulate(self, s: ShardState, payload: Payload, mask: list[bool]) -> None:
-        first = s.agg is None
-        if first:
-            s.agg = torch.zeros_like(s.master)
-        ops_codecs.decode(payload, out=s.agg, alpha=1.0 / self.divisor, accumulate=True)
+    def _union_mask(self, s: ShardState, mask: list[bool]) -> None:
         for i, m in enumerate(mask):
             s.agg_mask[i] = s.agg_mask[i] or m
 
+    def _accumulate(self, s: ShardState, payload: Payload, mask: list[bool] | None = None) -> None:
+        if s.agg is None:
+            s.agg = torch.zeros_like(s.master)
+        ops_codecs.decode(payload, out=s.agg, alpha=1.0 / self.divisor, accumulate=True)
+        if mask is not None:
+            self._union_mask(s, mask)
+
+    def _sum_in_order(self, s: ShardState, flush: bool = False) -> None:
+        """Sum the held fresh pushes into agg in rank order.
+
+        Note [Rank-order sum]
+            fp32 addition is not associative, so an aggregate summed in arrival order differs in the
+            last bits from run to run, and a BSP run resumed from a checkpoint would not be
+            bit-identical to an uninterrupted one. Fresh pushes are therefore held until every lower
+            rank has pushed (or closed) and summed in ascending rank order as soon as they can be, so
+            most of the decoding still overlaps the wait for the last push. Under Quorum the round's
+            pushers are not known in advance: what is still held when the update fires (``flush``)
+            is summed then, again in ascending rank order, so the sum's order depends only on who
+            pushed. Late pushes folded under Quorum(late="fold") go in on arrival."""
+        while s.agg_next < self.n:
+            w = s.agg_next
+            if w in s.agg_held:
+                self._sum_held(s, s.agg_held.pop(w))
+            elif not s.closed[w]:
+                break
+            s.agg_next += 1
+        if flush:
+            for w in sorted(s.agg_held):
+                self._sum_held(s, s.agg_held.pop(w))
+
+    def _sum_held(self, s: ShardState, held) -> None:
+        if held is not None:
+            payload, frame = held
+            self._accumulate(s, payload)
+            self.push_pool.put(frame)
+
     def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
         closed = {w for w in range(self.n) if s.closed[w]}
-        if not force and not (s.pushers and self.policy.update_ready(s.pushers, closed, self.n)):
+        if not force and not (s.pushers and (self.paused or self.policy.update_ready(s.pushers, closed, self.n))):
             return
+        self._sum_in_order(s, flush=True)
+        s.agg_next = 0
         if s.agg_fresh or s.fold_stale:
             self.rule.apply(s, dense=s.agg, seg_mask=s.agg_mask)
             s.version += 1
@@ -351,6 +465,20 @@ class Owner:
         if waiters:
             self._reply(ap, s, waiters)
 
+    def _reply_frame(self, s: ShardState, w: int) -> wire.ReplyFrame:
+        """The send buffer for this reply of shard s to worker w (applier thread; CPU): two per (shard,
+        worker), used in turn; the one taken carried the reply before last, whose send is waited for
+        (long done, unless worker w stopped receiving: then a TimeoutError naming it)."""
+        ring = self.reply_frames.get((s.bucket, w))
+        if ring is None:
+            ring = self.reply_frames[(s.bucket, w)] = [wire.ReplyFrame(s.master.numel(), self.n) for _ in range(2)]
+        fr = ring[0]
+        ring.append(ring.pop(0))
+        if fr.handle is not None:
+            fr.handle.wait(self.timeout)
+            fr.handle = None
+        return fr
+
     def _answer_each(self, ap: _Applier, s: ShardState) -> None:
         included = [p - 1 for p in s.processed]
         ready = [
@@ -368,6 +496,7 @@ class Owner:
         if self.policy.mode == "each":
             self._answer_each(ap, s)
         else:
+            self._sum_in_order(s)  # the sum may have been waiting for this rank's turn
             self._maybe_update(ap, s)
         if all(s.closed) and not s.finalized:
             if self.policy.mode != "each" and (s.agg_fresh or s.fold_stale or s.pending):
@@ -381,9 +510,9 @@ class Owner:
         clocks = [p - 1 for p in s.processed]
         remote = [(w, c) for w, c in dests if w != self.rank]
         if remote:
-            buf = wire.pack_reply(
-                wire.to_host(s.master), clocks
-            )  # a snapshot: the send never sees a later update
+            cpu = s.master.device.type == "cpu"
+            host = wire.to_host(s.master)  # each frame is a copy: a send never sees a later update
+            clocks_t = torch.tensor(clocks, dtype=torch.int64)
             for w, c in remote:
                 h = wire.Header(
                     kind=wire.REPLY,
@@ -394,14 +523,20 @@ class Owner:
                     shard=self.rank,
                     codec=0,
                     numel=s.master.numel(),
-                    nbytes=buf.numel(),
+                    nbytes=0,  # set when the frame is written
                     flags=wire.FLAG_FINAL if final else 0,
                     count=self.n,
                 )
-                hdr = wire.encode_header(h)
-                ap.handles.append(self.transport.send(hdr, w, "reply_hdr"))
-                ap.handles.append(self.transport.send(buf, w, "reply_data", sub=s.bucket))
-                ap.c.bytes_sent += hdr.numel() * 8 + buf.numel()
+                if cpu:
+                    fr = self._reply_frame(s, w)
+                    frame = fr.fill(h, host, clocks_t)
+                else:
+                    fr, frame = None, wire.pack_reply(host, clocks, header=h)
+                handle = self.transport.send(frame, w, "reply")
+                if fr is not None:
+                    fr.handle = handle
+                ap.handles.append(handle)
+                ap.c.bytes_sent += frame.numel()
         local = [c for w, c in dests if w == self.rank]
         if local:
             values = s.master.clone()

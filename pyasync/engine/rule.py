@@ -39,6 +39,10 @@ class ShardState:
         self.pushers: set[int] = set()  # workers that contributed a fresh push (finite or not)
         self.agg_fresh = 0  # finite fresh pushes in agg
         self.fold_stale: list[int] = []  # staleness of late pushes folded into agg
+        # Fresh pushes are summed into agg in rank order (Note [Rank-order sum] in owner.py):
+        self.agg_next = 0  # next worker rank to sum; every lower rank is summed or closed
+        # fresh pushes waiting for their turn: worker -> (payload, its receive buffer or None); None: non-finite
+        self.agg_held: dict[int, tuple[Payload, torch.Tensor | None] | None] = {}
         self.finalized = False
         self.generic = None  # private torch optimizer (generic rule)
         self.generic_views: list[tuple[int, torch.Tensor]] = []

@@ -1,4 +1,5 @@
-"""The wire format: a fixed int64 header, then one flat byte payload. Nothing is ever unpickled.
+"""The wire format: one message (a *frame*) per push, reply or close: a fixed int64 header, then one flat
+byte payload, in a single uint8 buffer. Nothing is ever unpickled.
 
 Header (``HEADER_LEN`` int64, in this order)::
 
@@ -23,14 +24,20 @@ Push payload: codes | scales or indices | mask (uint8 per overlapping parameter,
 each part starting at a multiple of 8 bytes. Reply payload: numel fp32 values | count int64 clocks
 (the highest clock of each worker fully included in the values).
 
-Receivers check every field against what they expect (:meth:`WireSpec.check_push`,
-:meth:`WireSpec.check_reply`) before allocating anything, and raise :class:`WireError` naming the
-sender and the field.
+A frame is ``HEADER_BYTES`` of header followed by exactly ``nbytes`` of payload. A receiver posts one
+receive into a buffer of :meth:`WireSpec.max_push_frame` / :meth:`WireSpec.max_reply_frame` bytes,
+the largest frame its own layout allows (gloo accepts a message up to the posted size), so no size a
+peer announces ever sizes an allocation. Receivers check every field against what they expect
+(:meth:`WireSpec.check_push`, :meth:`WireSpec.check_reply`) before looking at the payload, and raise
+:class:`WireError` naming the sender and the field. See Note [One message per push] in
+docs/architecture.md for why header and payload travel together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +48,9 @@ from pyasync.ops._common import CODEC_IDS, CODEC_NAMES, Payload
 __all__ = [
     "CLOSE",
     "FLAG_FINAL",
+    "FramePool",
+    "PushFrame",
+    "ReplyFrame",
     "FLAG_FINITE",
     "FORMAT_VERSION",
     "HEADER_LEN",
@@ -50,7 +60,10 @@ __all__ = [
     "Header",
     "WireError",
     "WireSpec",
+    "HEADER_BYTES",
     "encode_header",
+    "frame_body",
+    "frame_header",
     "pack_push",
     "pack_reply",
     "parse_header",
@@ -62,6 +75,7 @@ __all__ = [
 ]
 
 HEADER_LEN = 16
+HEADER_BYTES = HEADER_LEN * 8
 MAGIC = int.from_bytes(b"PYASYNC\x01", "little")
 FORMAT_VERSION = 1
 PUSH, REPLY, CLOSE = 1, 2, 3
@@ -140,8 +154,8 @@ class Header:
         return bool(self.flags & FLAG_FINAL)
 
 
-def encode_header(h: Header) -> torch.Tensor:
-    """The header as an int64 tensor of HEADER_LEN elements."""
+def encode_header(h: Header, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The header as an int64 tensor of HEADER_LEN elements (written into ``out`` when given)."""
     f = [
         MAGIC,
         FORMAT_VERSION,
@@ -160,7 +174,11 @@ def encode_header(h: Header) -> torch.Tensor:
         h.count,
     ]
     f.append(_checksum(f))
-    return torch.tensor(f, dtype=torch.int64)
+    t = torch.tensor(f, dtype=torch.int64)
+    if out is None:
+        return t
+    out.copy_(t)
+    return out
 
 
 def parse_header(t: torch.Tensor, src: int) -> Header:
@@ -279,17 +297,52 @@ def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
         )
 
 
-def pack_push(payload: Payload, mask: torch.Tensor, *, device: torch.device | None = None) -> torch.Tensor:
-    """One uint8 buffer holding the payload tensors and the mask (see push_parts)."""
+def _frame(total: int, header: Header | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, body): a fresh uint8 buffer for ``total`` payload bytes, with room for a header in
+    front when one is given (written with nbytes = total)."""
+    off = 0 if header is None else HEADER_BYTES
+    buf = torch.empty(off + total, dtype=torch.uint8, device=device)
+    if header is not None:
+        encode_header(dataclasses.replace(header, nbytes=total), out=buf[:HEADER_BYTES].view(torch.int64))
+    return buf, buf[off:]
+
+
+def pack_push(
+    payload: Payload, mask: torch.Tensor, *, header: Header | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """One uint8 buffer holding the payload tensors and the mask (see push_parts); with ``header``, the
+    whole frame: the header (its nbytes set to the payload size) and then the payload."""
     parts, total = push_parts(payload.codec, payload.n, payload.block, payload.k, mask.numel())
-    buf = torch.empty(total, dtype=torch.uint8, device=device if device is not None else payload.device)
-    _zero_padding(buf, parts, total)  # the alignment padding must not carry stale process memory
-    views = _views(buf, parts)
+    buf, body = _frame(total, header, device if device is not None else payload.device)
+    _zero_padding(body, parts, total)  # the alignment padding must not carry stale process memory
+    views = _views(body, parts)
     src = {"codes": payload.codes, "scales": payload.scales, "indices": payload.indices, "mask": mask}
     for name, v in views.items():
         if v.numel():
             v.copy_(src[name].reshape(-1))
     return buf
+
+
+def frame_header(frame: torch.Tensor, src: int) -> Header:
+    """Parse (parse_header) the header at the front of a received frame; ``src`` is the sender."""
+    if frame.dtype != torch.uint8 or frame.dim() != 1 or frame.numel() < HEADER_BYTES:
+        raise WireError(
+            f"a frame from rank {src} must be a 1-D uint8 buffer of at least {HEADER_BYTES} bytes, got "
+            f"{tuple(frame.shape)} {frame.dtype}"
+        )
+    if not frame.is_contiguous() or frame.data_ptr() % 8 != 0:
+        raise WireError(f"frame buffer for rank {src} must be contiguous and 8-byte aligned")
+    return parse_header(frame[:HEADER_BYTES].view(torch.int64), src)
+
+
+def frame_body(frame: torch.Tensor, h: Header) -> torch.Tensor:
+    """The payload of a received frame whose header ``h`` has been checked: its h.nbytes bytes."""
+    if HEADER_BYTES + h.nbytes > frame.numel():
+        raise WireError(
+            f"{KIND_NAMES.get(h.kind, h.kind)} from rank {h.sender} announces {h.nbytes} payload bytes, "
+            f"more than the {frame.numel() - HEADER_BYTES} its receive buffer holds"
+        )
+    return frame[HEADER_BYTES : HEADER_BYTES + h.nbytes]
 
 
 def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
@@ -313,6 +366,70 @@ def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
     return p, v["mask"]
 
 
+class PushFrame:
+    """A reusable send buffer for the pushes of one (bucket, shard) on the CPU: header | codes |
+    scales or indices | mask. ``payload`` and ``mask`` are views into it, so the encoder writes the
+    payload in place (no allocation, no copy); :meth:`seal` writes the header. Zeroed once, so the
+    alignment padding never carries stale memory. ``handle``: its last send, waited before reuse."""
+
+    def __init__(self, codec: str, n: int, block: int, k: int, mask_len: int) -> None:
+        parts, self.nbytes = push_parts(codec, n, block, k, mask_len)
+        self.buf = torch.zeros(HEADER_BYTES + self.nbytes, dtype=torch.uint8)
+        v = _views(self.buf[HEADER_BYTES:], parts)
+        self.payload = Payload(
+            codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
+        )
+        self.mask = v["mask"]
+        self.handle = None
+
+    def seal(self, header: Header) -> torch.Tensor:
+        """Write ``header`` (its nbytes set to the payload size) in front; returns the frame."""
+        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        return self.buf
+
+
+class ReplyFrame:
+    """A reusable send buffer for the replies of one shard to one worker on the CPU: header | fp32
+    values | clocks. Zeroed once (no stale padding). ``handle``: its last send, waited before reuse."""
+
+    def __init__(self, n: int, world_size: int) -> None:
+        parts, self.nbytes = reply_parts(n, world_size)
+        self.buf = torch.zeros(HEADER_BYTES + self.nbytes, dtype=torch.uint8)
+        v = _views(self.buf[HEADER_BYTES:], parts)
+        self.values, self.clocks = v["values"], v["clocks"]
+        self.handle = None
+
+    def fill(self, header: Header, values: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:
+        """Copy the values (a snapshot: later updates never reach a frame in flight) and the clock
+        vector, write the header; returns the frame."""
+        self.values.copy_(values)
+        self.clocks.copy_(clocks)
+        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        return self.buf
+
+
+class FramePool:
+    """Receive buffers of one size, recycled: a receiver takes one (or a new one when none is free), and
+    whoever consumes the message gives it back once nothing reads it any more. A buffer that is never
+    given back (an error path) is simply garbage-collected. Thread-safe."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.allocated = 0  # buffers made so far (for tests and stats: flat in steady state)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+
+    def get(self) -> torch.Tensor:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            self.allocated += 1
+            return torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def put(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self._free.put(buf)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself on the CPU, else a copy in pinned host memory (for the gloo transport). The copy is
     synchronous, so the host buffer is complete (and the device tensor free to change) on return."""
@@ -323,11 +440,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_reply(values: torch.Tensor, clocks: Sequence[int]) -> torch.Tensor:
+def pack_reply(values: torch.Tensor, clocks: Sequence[int], *, header: Header | None = None) -> torch.Tensor:
+    """One uint8 buffer with the values and the clock vector (see reply_parts); with ``header``, the
+    whole frame (header first, its nbytes set to the payload size)."""
     parts, total = reply_parts(values.numel(), len(clocks))
-    buf = torch.empty(total, dtype=torch.uint8, device=values.device)
-    _zero_padding(buf, parts, total)  # no stale bytes in the padding
-    v = _views(buf, parts)
+    buf, body = _frame(total, header, values.device)
+    _zero_padding(body, parts, total)  # no stale bytes in the padding
+    v = _views(body, parts)
     v["values"].copy_(values.reshape(-1))
     v["clocks"].copy_(torch.tensor(list(clocks), dtype=torch.int64))
     return buf
@@ -364,6 +483,29 @@ class WireSpec:
         self.codec_id = CODEC_IDS[codec]
         self.block = block if codec in ("int8", "sign") else 0
         self.topk_k = topk_k
+
+    def push_bytes(self, bucket: int, shard: int) -> int:
+        """Payload bytes of a push to shard ``shard`` of ``bucket`` under the agreed codec."""
+        n = self.shard_numels[bucket][shard]
+        k = self.topk_k(n) if self.codec == "topk" and n > 0 else 0
+        return push_parts(self.codec, n, self.block, k, self.mask_lens[bucket][shard])[1]
+
+    def max_push_frame(self) -> int:
+        """Bytes of the largest frame a worker may send this rank (a PUSH to one of its non-empty
+        shards, or a CLOSE): the size of the owner's receive buffer."""
+        sizes = [self.push_bytes(b, self.rank) for b, row in enumerate(self.shard_numels) if row[self.rank] > 0]
+        return HEADER_BYTES + max(sizes, default=0)
+
+    def max_reply_frame(self) -> int:
+        """Bytes of the largest frame an owner may send this rank (a REPLY for a non-empty shard of
+        another rank): the size of the worker's receive buffer."""
+        sizes = [
+            reply_parts(n, self.world_size)[1]
+            for row in self.shard_numels
+            for r, n in enumerate(row)
+            if n > 0 and r != self.rank
+        ]
+        return HEADER_BYTES + max(sizes, default=0)
 
     def _bucket(self, h: Header, what: str) -> None:
         if not 0 <= h.bucket < len(self.shard_numels):

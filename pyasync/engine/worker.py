@@ -7,7 +7,7 @@ Flow of one step (clock t), see docs/architecture.md:
    hands the bucket to the push thread at once.
 2. push thread: flatten the bucket's gradients into a flat fp32 buffer (ops.bucketing.flatten),
    compress each shard slice with its own error-feedback key (bucket, shard), and push slice r to
-   owner r (own shard: in-process; others: header + payload on the push flows).
+   owner r (own shard: in-process; others: one frame, header + payload, on the push flow).
 3. step(): flush the buckets whose parameters got no gradient (zeros + a has-grad mask), wait until all
    buckets are pushed, then wait as the policy says for the owners' answers (timeout), and install the
    newest shard values received (ops.bucketing.unflatten into the parameters, any dtype).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import queue
 import threading
 import traceback
@@ -35,7 +36,14 @@ from pyasync.ops._common import Payload
 from pyasync.policy import Policy
 from pyasync.transport.base import Handle, Transport
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "NonFiniteGradientError"]
+
+_log = logging.getLogger("pyasync")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN/Inf under ``on_nonfinite="raise"``. The push was skipped by its owners (never
+    applied) and the step completed, so training may go on after handling it."""
 
 
 def _clone_payload(p: Payload) -> Payload:
@@ -75,8 +83,14 @@ class Engine:
         timeout: datetime.timedelta,
         spec: wire.WireSpec,
         num_appliers: int = 2,
+        names: list[str] | None = None,
+        on_nonfinite: str = "skip",
     ) -> None:
         self.params = params
+        self.names = names if names is not None else [f"param{i}" for i in range(len(params))]
+        self.on_nonfinite = on_nonfinite
+        self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
+        self.nonfinite_logged = False
         self.layouts = layouts
         self.policy = policy
         self.comp = compressor
@@ -98,6 +112,10 @@ class Engine:
         # Worker state (main thread, plus `cond` for what threads share).
         self.clock = 0
         self.mailbox: dict[tuple[int, int], Reply] = {}
+        # Reply receive buffers, recycled (see _release): the newest reply per shard keeps its buffer.
+        self.reply_pool = wire.FramePool(spec.max_reply_frame())  # sized by this rank's layout only
+        self.reading: list[Reply] = []  # replies install() is reading (outside cond)
+        self.orphans: list[Reply] = []  # replies superseded while being read
         self.answered = {k: -1 for k in self.nonempty}
         self.finals: set[tuple[int, int]] = set()
         self.installed_version = {k: 0 for k in self.nonempty}
@@ -139,6 +157,7 @@ class Engine:
         )
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.handles: list[Handle] = []
+        self.push_frames: dict[tuple[int, int], list[wire.PushFrame]] = {}  # see _push_frame
         self.hooks = []
         for i, p in enumerate(params):
             if i in self.param_bucket:
@@ -242,9 +261,9 @@ class Engine:
                                     numel=0,
                                     nbytes=0,
                                 )
-                            )
-                            self.handles.append(self.transport.send(hdr, r, "push_hdr"))
-                            self.bytes_sent += hdr.numel() * 8
+                            ).view(torch.uint8)
+                            self.handles.append(self.transport.send(hdr, r, "push"))
+                            self.bytes_sent += hdr.numel()
                     self.owner.local_close()
                     continue
                 _, b, clock, grads, has, versions, event = item
@@ -261,55 +280,124 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("push thread", e)
 
+    def _push_frame(self, b: int, r: int) -> wire.PushFrame | None:
+        """The send buffer for this step's push to shard (b, r) (CPU only): two per shard, used in turn;
+        the one taken was last sent two steps ago, and that send is waited for (long done, unless the
+        owner stopped receiving: then a TimeoutError naming it) before it is overwritten."""
+        ring = self.push_frames.get((b, r))
+        if ring is None:
+            return None  # the first push sizes the ring (see _push_bucket)
+        fr = ring[0]
+        ring.append(ring.pop(0))
+        if fr.handle is not None:
+            fr.handle.wait(self.timeout)
+            fr.handle = None
+        return fr
+
     def _push_bucket(self, b: int, clock: int, grads, has, versions) -> None:
         lay = self.layouts[b]
         self._flatten(b, grads)
+        cpu = self.device.type == "cpu"
         for r in range(self.n):
             sh = lay.shards[r]
             if sh.numel == 0:
                 continue
-            payload = self.comp.compress(self.flat[b][sh.begin : sh.end], key=(b, r))
+            fr = self._push_frame(b, r) if cpu and r != self.rank else None
+            payload = self.comp.compress(
+                self.flat[b][sh.begin : sh.end], key=(b, r), out=None if fr is None else fr.payload
+            )
+            if not payload.finite:
+                self._on_nonfinite(b, clock)
             mask = [has[slot] for slot in sh.slots]
             self.raw_bytes += 4 * sh.numel
             self.enc_bytes += payload.nbytes
             self.pushes_sent += 1
             if r == self.rank:
-                local = _clone_payload(payload)
-                if local.device.type == "cuda":
+                if cpu:
+                    local = payload  # a fresh payload (compress allocated it), owned by the applier now
+                else:
+                    local = _clone_payload(payload)
                     # The applier runs on another stream: the copy must be complete before it is queued.
                     torch.cuda.current_stream(local.device).synchronize()
                 self.owner.local_push(b, clock, versions[r], local, mask)
                 continue
-            buf = wire.pack_push(payload, torch.tensor(mask, dtype=torch.uint8, device=payload.device))
-            buf = wire.to_host(buf)  # pinned host staging for gloo (CUDA), no-op on CPU
-            hdr = wire.encode_header(
-                wire.Header(
-                    kind=wire.PUSH,
-                    sender=self.rank,
-                    clock=clock,
-                    version=versions[r],
-                    bucket=b,
-                    shard=r,
-                    codec=wire.CODEC_IDS[payload.codec],
-                    numel=sh.numel,
-                    nbytes=buf.numel(),
-                    k=payload.k,
-                    block=payload.block,
-                    flags=wire.FLAG_FINITE if payload.finite else 0,
-                    count=len(mask),
-                )
+            h = wire.Header(
+                kind=wire.PUSH,
+                sender=self.rank,
+                clock=clock,
+                version=versions[r],
+                bucket=b,
+                shard=r,
+                codec=wire.CODEC_IDS[payload.codec],
+                numel=sh.numel,
+                nbytes=0,  # set by seal / pack_push
+                k=payload.k,
+                block=payload.block,
+                flags=wire.FLAG_FINITE if payload.finite else 0,
+                count=len(mask),
             )
-            self.handles.append(self.transport.send(hdr, r, "push_hdr"))
-            self.handles.append(self.transport.send(buf, r, "push_data", sub=b))
-            self.bytes_sent += hdr.numel() * 8 + buf.numel()
+            mask_t = torch.tensor(mask, dtype=torch.uint8)
+            if fr is not None:
+                fr.mask.copy_(mask_t)
+                frame = fr.seal(h)
+            else:
+                frame = wire.pack_push(payload, mask_t.to(payload.device), header=h)
+                frame = wire.to_host(frame)  # pinned host staging for gloo (CUDA), no-op on CPU
+                if cpu:  # from now on this shard's pushes are encoded straight into two reused frames
+                    self.push_frames[(b, r)] = [
+                        wire.PushFrame(payload.codec, payload.n, payload.block, payload.k, len(mask)) for _ in range(2)
+                    ]
+            handle = self.transport.send(frame, r, "push")
+            if fr is not None:
+                fr.handle = handle
+            self.handles.append(handle)
+            self.bytes_sent += frame.numel()
+
+    def _nonfinite_text(self, b: int, clock: int) -> str:
+        names = [self.names[p] for p in self.layouts[b].params]
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        return (
+            f"non-finite gradient (NaN or Inf) in bucket {b} at step {clock} on rank {self.rank} "
+            f"(parameters: {shown})"
+        )
+
+    def _on_nonfinite(self, b: int, clock: int) -> None:
+        """A shard of bucket b held NaN/Inf (push thread): the owners skip that push. Log once per rank;
+        under on_nonfinite="raise", step() raises it."""
+        with self.cond:
+            if (b, clock) in self.nonfinite:
+                return
+            self.nonfinite.append((b, clock))
+            first = not self.nonfinite_logged
+            self.nonfinite_logged = True
+        if first:
+            _log.warning(
+                "pyasync: %s; the push is skipped, not applied (counted in stats().nonfinite_skipped; "
+                "logged once per rank)",
+                self._nonfinite_text(b, clock),
+            )
 
     # -- replies -----------------------------------------------------------------------------------
+    def _release(self, rep: Reply) -> None:
+        """Give the receive buffer of a reply no longer in the mailbox back to the pool, unless install()
+        is reading it right now (then install gives it back). Caller holds cond."""
+        if rep.frame is None:
+            return
+        if any(r is rep for r in self.reading):
+            self.orphans.append(rep)
+        else:
+            self.reply_pool.put(rep.frame)
+
     def _deliver(self, rep: Reply) -> None:
         with self.cond:
             key = (rep.bucket, rep.shard)
             cur = self.mailbox.get(key)
             if rep.final or cur is None or rep.version >= cur.version:
                 self.mailbox[key] = rep
+                if cur is not None:
+                    self._release(cur)
+            else:
+                self._release(rep)  # already superseded
             self.answered[key] = max(self.answered[key], rep.clock)
             if rep.final:
                 self.finals.add(key)
@@ -318,16 +406,14 @@ class Engine:
     def _reply_loop(self, expected_finals: set) -> None:
         try:
             while expected_finals:
-                hdr = torch.empty(wire.HEADER_LEN, dtype=torch.int64)
-                src = self.transport.recv_any(hdr, "reply_hdr")
-                h = wire.parse_header(hdr, src)
+                frame = self.reply_pool.get()
+                src = self.transport.recv_any(frame, "reply")
+                h = wire.frame_header(frame, src)
                 self.spec.check_reply(h)
                 if self.layouts[h.bucket].shards[h.shard].numel == 0:
                     raise wire.WireError(f"REPLY from rank {src} for the empty shard of bucket {h.bucket}")
-                buf = torch.empty(h.nbytes, dtype=torch.uint8)
-                self.transport.recv(buf, src, "reply_data", sub=h.bucket)
-                self.bytes_received += hdr.numel() * 8 + h.nbytes
-                values, clocks = wire.unpack_reply(buf, h)
+                self.bytes_received += wire.HEADER_BYTES + h.nbytes
+                values, clocks = wire.unpack_reply(wire.frame_body(frame, h), h)
                 self._deliver(
                     Reply(
                         bucket=h.bucket,
@@ -337,6 +423,7 @@ class Engine:
                         values=values,
                         clocks=clocks,
                         final=h.final,
+                        frame=frame,
                     )
                 )
                 if h.final:
@@ -401,7 +488,15 @@ class Engine:
             for b in range(nb):
                 self.ready[b] = set()
             self.clock = t + 1
+            bad = [(b, c) for b, c in self.nonfinite if c == t]
+            self.nonfinite = []
         self.install()
+        if bad and self.on_nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "pyasync: " + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
+                + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
+                "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
+            )
 
     def install(self, final: bool = False) -> None:
         """Install the newest values received for every shard (all of them when final)."""
@@ -411,15 +506,23 @@ class Engine:
                 for k, rep in self.mailbox.items()
                 if final or rep.version != self.installed_version[k]
             ]
-        with torch.no_grad():
-            for (b, r), rep in todo:
-                lay = self.layouts[b]
-                values = rep.values if rep.values.device == self.device else rep.values.to(self.device)
-                ops_bucketing.unflatten(
-                    values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
-                )
-                self.installed_version[(b, r)] = rep.version
-                self.installed_clocks[(b, r)] = list(rep.clocks)
+            self.reading = [rep for _, rep in todo]  # their buffers stay out of the pool meanwhile
+        try:
+            with torch.no_grad():
+                for (b, r), rep in todo:
+                    lay = self.layouts[b]
+                    values = rep.values if rep.values.device == self.device else rep.values.to(self.device)
+                    ops_bucketing.unflatten(
+                        values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
+                    )
+                    self.installed_version[(b, r)] = rep.version
+                    self.installed_clocks[(b, r)] = list(rep.clocks)
+        finally:
+            with self.cond:
+                self.reading = []
+                for rep in self.orphans:
+                    self.reply_pool.put(rep.frame)
+                self.orphans = []
 
     # -- close -------------------------------------------------------------------------------------
     def close(self) -> None:

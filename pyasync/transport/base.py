@@ -1,10 +1,13 @@
 """The transport interface the engine talks to: point-to-point messages on named flows.
 
-A *flow* is one direction of one kind of traffic ("push_hdr", "push_data", "reply_hdr",
-"reply_data"). Messages between a pair of ranks on one flow arrive in the order they were sent; flows
-never mix. A flow has sub-flows (the engine uses one per bucket for payloads): several threads
-sending on one flow to one rank must each use their own sub-flow, or their messages interleave.
-Buffers are CPU tensors (the engine stages device tensors through host memory).
+A *flow* is one direction of one kind of traffic: "push" (worker -> owner: pushes and closes) and
+"reply" (owner -> worker). Every engine message is one self-contained frame (header and payload in one
+buffer, see pyasync/engine/wire.py), so several threads may send on one flow at once. Messages
+between a pair of ranks on one flow *from one thread* arrive in the order they were sent; flows never
+mix. A flow has sub-flows (independent tags; the engine uses only sub-flow 0). A receive may be
+larger than the message it gets (the receiver posts its largest possible frame); the header says how
+many bytes are meaningful. Buffers are CPU tensors (the engine stages device tensors through host
+memory).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 __all__ = ["FLOWS", "Handle", "Transport"]
 
-FLOWS = ("push_hdr", "push_data", "reply_hdr", "reply_data")
+FLOWS = ("push", "reply")
 
 
 class Handle(abc.ABC):
@@ -50,12 +53,12 @@ class Transport(abc.ABC):
         sub: int = 0,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        """Receive into ``buf`` (exactly its size) from rank ``src`` on ``flow``, sub-flow ``sub``; timeout
+        """Receive into ``buf`` (a message of at most its size) from rank ``src`` on ``flow``, sub-flow ``sub``; timeout
         None: the transport's idle timeout."""
 
     @abc.abstractmethod
     def recv_any(self, buf: torch.Tensor, flow: str) -> int:
-        """Receive into ``buf`` from any rank on ``flow``; returns the sender's rank. Waits up to the
+        """Receive into ``buf`` (a message of at most its size) from any rank on ``flow``; returns the sender's rank. Waits up to the
         transport's idle timeout (receiver threads idle legitimately between steps)."""
 
     @abc.abstractmethod

@@ -1,7 +1,7 @@
 """Gloo transport: torch.distributed point-to-point messages on private process groups.
 
-Two private groups are created from the user's group: one for the push flows (worker -> owner) and
-one for the reply flows (owner -> worker), each flow with its own tag, so the engine's traffic never
+Two private groups are created from the user's group: one for the push flow (worker -> owner) and
+one for the reply flow (owner -> worker), each with its own tag, so the engine's traffic never
 mixes with the user's collectives nor with each other. No collective is ever issued from a background
 thread. See docs/architecture.md.
 """
@@ -18,7 +18,7 @@ from pyasync.transport.base import FLOWS, Handle, Transport
 
 __all__ = ["GlooTransport"]
 
-_TAGS = {"push_hdr": 11, "push_data": 12, "reply_hdr": 21, "reply_data": 22}
+_TAGS = {"push": 11, "reply": 21}
 assert set(_TAGS) == set(FLOWS)
 
 #: How long a receiver thread may sit idle on one receive (between steps, during evaluation, ...).
@@ -86,7 +86,9 @@ class GlooTransport(Transport):
     def _group(self, flow: str, sub: int = 0) -> tuple[dist.ProcessGroup, int]:
         if sub < 0:
             raise ValueError(f"sub-flow must be >= 0, got {sub}")
-        return self._groups[flow.split("_")[0]], _TAGS[flow] + 64 * sub
+        if flow not in _TAGS:
+            raise ValueError(f"unknown flow {flow!r}: expected one of {sorted(_TAGS)}")
+        return self._groups[flow], _TAGS[flow] + 64 * sub
 
     # The ProcessGroup's own send/recv take group ranks and skip torch.distributed's per-call Python
     # checks (group lookup, rank translation, membership): this rank is always a member of its
