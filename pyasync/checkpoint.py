@@ -177,6 +177,17 @@ def _drain(opt: DistributedOptimizer) -> None:
     push, so the checkpoint holds every push made before the save. Under Quorum(k < n) a processed
     late push may be dropped by policy or, with late="fold", wait in the next aggregate, which is not
     saved.
+
+    Note [Quorum and save]
+    Under Quorum(k < n) a rank can still be inside step() when the others enter the save: its push
+    opened a round (a newer version) that needs k pushes, and the others, already in the save, will
+    not push again until it joins them. So save_checkpoint pauses the owner before its first
+    collective (Owner.pause): while paused, a round is applied as soon as it has a push, with the
+    pushes that are in (as close() does), so the late rank gets its answer and reaches the save.
+    The pause ends before the save's final barrier, which no rank passes before every rank has taken
+    its state, so no push of a later step ever meets a paused owner. Under BSP no rank can be left
+    behind this way (a step returns only when every rank's push of that clock is applied), so the
+    pause changes nothing there.
     """
     eng = opt._require_engine()
     world = opt.world_size
@@ -208,28 +219,37 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     """
     d = _check_args(path, opt, "save_checkpoint")
     rank, world, group = opt.rank, opt.world_size, opt._group
+    eng = opt._require_engine()
 
-    # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
-    sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
-    if world > 1:
-        dist.broadcast(sid, src=_global_src(opt), group=group)
-    save_id = f"{int(sid.item()):016x}"
-    fname = _shard_name(save_id, rank, world)
-
-    err = ""
-    digest, size = b"\0" * 32, 0
-    clock = opt._require_engine().clock
+    # See Note [Quorum and save]: from here until this rank's state is taken, rounds do not wait for
+    # a quorum of ranks that may already be waiting in this save.
+    eng.owner.pause(True, opt._timeout)
     try:
-        _drain(opt)  # its all_gather comes first, so a rank that fails here still reaches the next one
-        sd = opt.state_dict()
-        os.makedirs(d, exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(sd, buf)
-        data = buf.getvalue()
-        digest, size = hashlib.sha256(data).digest(), len(data)
-        _atomic_write(os.path.join(d, fname), data)
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        err = f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
+        # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
+        sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
+        if world > 1:
+            dist.broadcast(sid, src=_global_src(opt), group=group)
+        save_id = f"{int(sid.item()):016x}"
+        fname = _shard_name(save_id, rank, world)
+
+        err = ""
+        digest, size = b"\0" * 32, 0
+        clock = eng.clock
+        try:
+            _drain(opt)  # its all_gather comes first, so a rank that fails here still reaches the next one
+            sd = opt.state_dict()
+            os.makedirs(d, exist_ok=True)
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            data = buf.getvalue()
+            digest, size = hashlib.sha256(data).digest(), len(data)
+            _atomic_write(os.path.join(d, fname), data)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
+    finally:
+        # Before the barrier below: no rank pushes again until every rank has passed it, so no push of
+        # the next step can meet a paused owner.
+        eng.owner.pause(False, opt._timeout)
 
     # Gather (ok, size, clock, sha256) from every rank. This also makes the save a barrier: no rank
     # pushes for its next step before every owner has taken its state.
