@@ -214,6 +214,7 @@ class Owner:
                 a.q.put(("stop", timeout))
         for a in self.appliers:
             a.join(timeout.total_seconds())
+        self.reply_frames = {}  # their handles hold gloo work objects, which keep the groups alive
         if self.receiver is not None:
             self.receiver.join(timeout.total_seconds())
 

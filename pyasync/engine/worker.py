@@ -245,6 +245,7 @@ class Engine:
                     for h in self.handles:
                         h.wait(item[1])
                     self.handles = []
+                    self.push_frames = {}  # their handles hold gloo work objects, which keep the groups alive
                     return
                 if item[0] == "close":
                     for r in range(self.n):
