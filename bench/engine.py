@@ -82,7 +82,10 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
 
     for _ in range(args.warmup):
         step()
-    dist.barrier()
+    if mode == "ddp":
+        dist.barrier()
+    else:
+        opt.barrier()  # a plain barrier can strand a slow rank under Quorum(k < n), see DistributedOptimizer.barrier
     cpu0, t0 = time.process_time(), time.perf_counter()
     for _ in range(args.steps):
         step()

@@ -181,11 +181,10 @@ def _drain(opt: DistributedOptimizer) -> None:
     Note [Quorum and save]
     Under Quorum(k < n) a rank can still be inside step() when the others enter the save: its push
     opened a round (a newer version) that needs k pushes, and the others, already in the save, will
-    not push again until it joins them. So save_checkpoint pauses the owner before its first
-    collective (Owner.pause): while paused, a round is applied as soon as it has a push, with the
-    pushes that are in (as close() does), so the late rank gets its answer and reaches the save.
-    The pause ends before the save's final barrier, which no rank passes before every rank has taken
-    its state, so no push of a later step ever meets a paused owner. Under BSP no rank can be left
+    not push again until it joins them. So a save is a pause (Note [Barriers and quorums] in
+    pyasync/optimizer.py): each rank sends PAUSE before its first collective, so owners stop waiting
+    for its pushes and apply the stranded round with the pushes that are in; RESUME follows once its
+    state is taken, and the save's final gather is the second meeting. Under BSP no rank can be left
     behind this way (a step returns only when every rank's push of that clock is applied), so the
     pause changes nothing there.
     """
@@ -222,8 +221,9 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     eng = opt._require_engine()
 
     # See Note [Quorum and save]: from here until this rank's state is taken, rounds do not wait for
-    # a quorum of ranks that may already be waiting in this save.
-    eng.owner.pause(True, opt._timeout)
+    # this rank's pushes (it sends none while it saves).
+    err = ""
+    eng.pause(True)
     try:
         # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
         sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
@@ -232,7 +232,6 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
         save_id = f"{int(sid.item()):016x}"
         fname = _shard_name(save_id, rank, world)
 
-        err = ""
         digest, size = b"\0" * 32, 0
         clock = eng.clock
         try:
@@ -247,9 +246,12 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             err = f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
     finally:
-        # Before the barrier below: no rank pushes again until every rank has passed it, so no push of
-        # the next step can meet a paused owner.
-        eng.owner.pause(False, opt._timeout)
+        # RESUME, and wait until this rank's owner has every rank's RESUME; the gather below is then
+        # the second meeting of Note [Barriers and quorums] (pyasync/optimizer.py).
+        try:
+            opt._resume()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = err or f"rank {rank}: {type(e).__name__}: {e}"
 
     # Gather (ok, size, clock, sha256) from every rank. This also makes the save a barrier: no rank
     # pushes for its next step before every owner has taken its state.

@@ -138,6 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self._engine: Engine | None = None
+        self._resumes = 0  # pauses ended (barrier(), save_checkpoint): RESUMEs every owner expects
 
         names = {}
         if named_parameters is not None:
@@ -308,6 +309,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def bucket_layouts(self):
         """Bucket and shard layouts (engine.shards.BucketLayout), for inspection."""
         return self._layouts
+
+    def barrier(self) -> None:
+        """A barrier of the optimizer's ranks that is safe under every policy: call it (on every rank,
+        between steps) instead of ``torch.distributed.barrier()`` where ranks wait for each other in
+        the middle of training, e.g. around evaluation.
+
+        Note [Barriers and quorums]
+            Under Quorum(k < n) a plain barrier can leave a slow rank waiting (until the timeout): a
+            late push of it is answered with the newest version, its next push then opens a round of
+            that version that needs k pushes, and the other ranks, already in the barrier, push
+            nothing. So each rank first tells every owner it is paused (a PAUSE message after its last
+            push); an owner's aggregate rounds then stop waiting for paused ranks, as for closed ones,
+            and the stranded round is applied with the pushes that are in. Then the ranks meet
+            (``monitored_barrier``: a rank that does not arrive within the timeout is named), send
+            RESUME, wait until their own owner has processed every rank's RESUME, and meet again, so
+            no push of the next step reaches an owner that still counts its sender as paused. Under
+            BSP no round can be open at a barrier (a step returns only when every rank's push of that
+            clock is applied), and SSP/ASP do not aggregate, so there it is a plain barrier plus a
+            few messages. save_checkpoint does the same.
+        """
+        eng = self._require_engine()
+        eng.pause(True)
+        try:
+            if self._world > 1:
+                dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
+        finally:
+            self._resume()
+        if self._world > 1:
+            dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
+        eng.check()
+
+    def _resume(self) -> None:
+        """End a pause (barrier(), save_checkpoint): send RESUME and wait until this rank's owner has
+        processed every rank's RESUME. The caller then meets the other ranks once more, so that no
+        push of the next step reaches an owner that still counts its sender as paused."""
+        eng = self._require_engine()
+        eng.pause(False)
+        self._resumes += 1
+        eng.owner.wait_resumed(self._resumes, self._timeout, eng._err)
 
     def stats(self) -> Stats:
         """This rank's counters (see pyasync.Stats)."""

@@ -116,6 +116,12 @@ class _Applier(threading.Thread):
                     for s in self.shards.values():
                         self.owner._on_close(self, s, item[1])
                     self.owner._progressed()
+                elif kind == "pause":
+                    _, w, on = item
+                    for s in self.shards.values():
+                        self.owner._on_pause(self, s, w, on)
+                    if not on:
+                        self.owner._resumed(w)
                 elif kind == "call":
                     _, fn, box, done = item
                     try:
@@ -171,12 +177,13 @@ class Owner:
         self.bytes_received = 0
         # Push receive buffers, recycled: an applier gives a push's buffer back once it is summed or
         # applied (Note [Frame reuse]); sized by this rank's layout only.
-        self.push_pool = wire.FramePool(spec.max_push_frame())
+        self.push_pool = wire.FramePool(spec.max_push_frame(), keep=2 * world_size * max(1, len(owned)))
         self.reply_frames: dict[tuple[int, int], list[wire.ReplyFrame]] = {}  # (bucket, worker) -> 2 frames
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
         self.watchers = 0
-        self.paused = False  # see pause()
+        self.resumes = [0] * world_size  # RESUMEs processed by every applier, per worker (see barrier)
+        self._resume_parts: dict[int, int] = {}
         self.divisor = policy.divisor(world_size)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -193,6 +200,10 @@ class Owner:
     def local_close(self) -> None:
         for a in self.appliers:
             a.q.put(("close", self.rank))
+
+    def local_pause(self, on: bool) -> None:
+        for a in self.appliers:
+            a.q.put(("pause", self.rank, on))
 
     def call(self, fn: Callable, timeout) -> list:
         """Run fn(applier) on every applier thread (in its own thread, between pushes); results."""
@@ -218,24 +229,37 @@ class Owner:
         if self.receiver is not None:
             self.receiver.join(timeout.total_seconds())
 
+    def _resumed(self, w: int) -> None:
+        """One applier processed worker w's RESUME; when all have, count it and wake waiters."""
+        with self.progress:
+            k = self._resume_parts.get(w, 0) + 1
+            if k == len(self.appliers):
+                k = 0
+                self.resumes[w] += 1
+                self.progress.notify_all()
+            self._resume_parts[w] = k
+
+    def wait_resumed(self, count: int, timeout, error) -> None:
+        """Block until every applier has processed ``count`` RESUMEs from every worker."""
+
+        def what() -> str:
+            late = [w for w in range(self.n) if self.resumes[w] < count]
+            return f"RESUME from worker ranks {late} at rank {self.rank}'s owner (a rank left the barrier?)"
+
+        with self.progress:
+            wait_until(self.progress, lambda: min(self.resumes) >= count, timeout, what, error)
+
+    def _on_pause(self, ap: _Applier, s: ShardState, w: int, on: bool) -> None:
+        """Worker w waits in a barrier (on) or is back (off). While it waits, aggregate rounds do not
+        wait for its push (it sends none): see Note [Barriers and quorums] in pyasync/optimizer.py."""
+        s.paused[w] = on
+        if on and self.policy.mode != "each":
+            self._maybe_update(ap, s)
+
     def _progressed(self) -> None:
         if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
             with self.progress:
                 self.progress.notify_all()
-
-    def pause(self, on: bool, timeout) -> None:
-        """Checkpoint barrier (Note [Quorum and save] in pyasync/checkpoint.py): while paused, an
-        aggregate round is applied as soon as it has a push, whatever the policy's quorum, and rounds
-        already waiting are applied now (in the appliers' threads, between pushes)."""
-        self.paused = on
-        if on and self.policy.mode != "each":
-
-            def flush(ap: _Applier) -> None:
-                for s in ap.shards.values():
-                    if s.pushers:
-                        self._maybe_update(ap, s)
-
-            self.call(flush, timeout)
 
     def behind(self, want: list[int]) -> list[tuple[int, int, int]]:
         """(bucket, worker, processed) of every owned shard that has processed fewer than want[worker]
@@ -291,9 +315,13 @@ class Owner:
                 frame = self.push_pool.get()
                 src = self.transport.recv_any(frame, "push")
                 h = wire.frame_header(frame, src)
-                if h.kind == wire.CLOSE:
+                if h.kind in wire.CONTROL_KINDS:
                     self.spec.check_close(h)
                     self.bytes_received += wire.HEADER_BYTES
+                    if h.kind != wire.CLOSE:
+                        for a in self.appliers:
+                            a.q.put(("pause", src, h.kind == wire.PAUSE))
+                        continue
                     if src not in remaining:
                         raise wire.WireError(f"rank {src} sent CLOSE twice")
                     remaining.discard(src)
@@ -443,8 +471,8 @@ class Owner:
             self.push_pool.put(frame)
 
     def _maybe_update(self, ap: _Applier, s: ShardState, force: bool = False) -> None:
-        closed = {w for w in range(self.n) if s.closed[w]}
-        if not force and not (s.pushers and (self.paused or self.policy.update_ready(s.pushers, closed, self.n))):
+        closed = {w for w in range(self.n) if s.closed[w] or s.paused[w]}
+        if not force and not (s.pushers and self.policy.update_ready(s.pushers, closed, self.n)):
             return
         self._sum_in_order(s, flush=True)
         s.agg_next = 0

@@ -32,6 +32,7 @@ class ShardState:
         self.version = 0  # updates applied
         self.processed = [0] * world_size  # pushes processed per worker (= included clock + 1)
         self.closed = [False] * world_size  # worker has closed
+        self.paused = [False] * world_size  # worker waits in a barrier (PAUSE .. RESUME): pushes nothing
         self.pending: dict[int, int] = {}  # worker -> clock of the push waiting for an answer
         # Aggregate modes (BSP, Quorum): the update being collected.
         self.agg: torch.Tensor | None = None  # sum of decoded pushes / divisor

@@ -5,7 +5,7 @@ Header (``HEADER_LEN`` int64, in this order)::
 
     0 magic        MAGIC ("PYASYNC\\x01" as little-endian int64)
     1 format       FORMAT_VERSION
-    2 kind         PUSH (worker -> owner), REPLY (owner -> worker), CLOSE (worker -> owner)
+    2 kind         PUSH (worker -> owner), REPLY (owner -> worker), CLOSE, PAUSE, RESUME (worker -> owner)
     3 sender       rank of the sender in the engine's group (must equal the rank it came from)
     4 clock        PUSH/CLOSE: the worker's clock; REPLY: the clock of the push it answers
     5 version      PUSH: shard version the gradient was computed on; REPLY: version of the values
@@ -55,8 +55,10 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_LEN",
     "MAGIC",
+    "PAUSE",
     "PUSH",
     "REPLY",
+    "RESUME",
     "Header",
     "WireError",
     "WireSpec",
@@ -77,9 +79,10 @@ __all__ = [
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAGIC = int.from_bytes(b"PYASYNC\x01", "little")
-FORMAT_VERSION = 1
-PUSH, REPLY, CLOSE = 1, 2, 3
-KIND_NAMES = {PUSH: "PUSH", REPLY: "REPLY", CLOSE: "CLOSE"}
+FORMAT_VERSION = 2  # 2: one frame per message (header + payload), PAUSE/RESUME
+PUSH, REPLY, CLOSE, PAUSE, RESUME = 1, 2, 3, 4, 5
+KIND_NAMES = {PUSH: "PUSH", REPLY: "REPLY", CLOSE: "CLOSE", PAUSE: "PAUSE", RESUME: "RESUME"}
+CONTROL_KINDS = (CLOSE, PAUSE, RESUME)  # header-only frames on the push flow
 FLAG_FINITE = 1
 FLAG_FINAL = 2
 _KNOWN_FLAGS = FLAG_FINITE | FLAG_FINAL
@@ -410,11 +413,14 @@ class ReplyFrame:
 
 class FramePool:
     """Receive buffers of one size, recycled: a receiver takes one (or a new one when none is free), and
-    whoever consumes the message gives it back once nothing reads it any more. A buffer that is never
-    given back (an error path) is simply garbage-collected. Thread-safe."""
+    whoever consumes the message gives it back once nothing reads it any more. At most ``keep`` free
+    buffers are kept; more are dropped, so a backlog (an ASP owner behind its pushes) does not pin
+    its peak in memory for good. A buffer that is never given back (an error path) is simply
+    garbage-collected. Thread-safe."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, keep: int = 8) -> None:
         self.nbytes = nbytes
+        self.keep = keep
         self.allocated = 0  # buffers made so far (for tests and stats: flat in steady state)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -426,7 +432,7 @@ class FramePool:
             return torch.empty(self.nbytes, dtype=torch.uint8)
 
     def put(self, buf: torch.Tensor | None) -> None:
-        if buf is not None:
+        if buf is not None and self._free.qsize() < self.keep:
             self._free.put(buf)
 
 
@@ -571,7 +577,8 @@ class WireSpec:
             )
 
     def check_close(self, h: Header) -> None:
-        if h.kind != CLOSE:
-            raise WireError(f"expected CLOSE from rank {h.sender}, got {KIND_NAMES[h.kind]}")
+        """Validate a header-only control frame (CLOSE, PAUSE, RESUME)."""
+        if h.kind not in CONTROL_KINDS:
+            raise WireError(f"expected CLOSE, PAUSE or RESUME from rank {h.sender}, got {KIND_NAMES[h.kind]}")
         if h.nbytes != 0 or h.clock < 0:
-            raise WireError(f"CLOSE from rank {h.sender} has nbytes={h.nbytes}, clock={h.clock}")
+            raise WireError(f"{KIND_NAMES[h.kind]} from rank {h.sender} has nbytes={h.nbytes}, clock={h.clock}")

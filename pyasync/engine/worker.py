@@ -113,7 +113,7 @@ class Engine:
         self.clock = 0
         self.mailbox: dict[tuple[int, int], Reply] = {}
         # Reply receive buffers, recycled (see _release): the newest reply per shard keeps its buffer.
-        self.reply_pool = wire.FramePool(spec.max_reply_frame())  # sized by this rank's layout only
+        self.reply_pool = wire.FramePool(spec.max_reply_frame(), keep=2 * len(self.nonempty) + 2)  # layout-sized
         self.reading: list[Reply] = []  # replies install() is reading (outside cond)
         self.orphans: list[Reply] = []  # replies superseded while being read
         self.answered = {k: -1 for k in self.nonempty}
@@ -247,12 +247,13 @@ class Engine:
                     self.handles = []
                     self.push_frames = {}  # their handles hold gloo work objects, which keep the groups alive
                     return
-                if item[0] == "close":
+                if item[0] in ("close", "pause"):
+                    kind = wire.CLOSE if item[0] == "close" else (wire.PAUSE if item[2] else wire.RESUME)
                     for r in range(self.n):
                         if r != self.rank:
                             hdr = wire.encode_header(
                                 wire.Header(
-                                    kind=wire.CLOSE,
+                                    kind=kind,
                                     sender=self.rank,
                                     clock=item[1],
                                     version=0,
@@ -265,7 +266,10 @@ class Engine:
                             ).view(torch.uint8)
                             self.handles.append(self.transport.send(hdr, r, "push"))
                             self.bytes_sent += hdr.numel()
-                    self.owner.local_close()
+                    if item[0] == "close":
+                        self.owner.local_close()
+                    else:
+                        self.owner.local_pause(item[2])
                     continue
                 _, b, clock, grads, has, versions, event = item
                 if self.side_stream is not None:
@@ -565,6 +569,14 @@ class Engine:
                 self.check()
                 if self.transport is not None:
                     self.transport.close()
+
+    def pause(self, on: bool) -> None:
+        """Tell every owner that this worker waits in a barrier and pushes nothing until it resumes
+        (PAUSE), or that it is back (RESUME); sent by the push thread, after this rank's pushes."""
+        if self.closed:
+            raise RuntimeError("the optimizer is closed")
+        self.check()
+        self.q.put(("pause", self.clock, on))
 
     @contextlib.contextmanager
     def no_sync_ctx(self) -> Iterator[None]:
