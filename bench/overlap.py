@@ -61,7 +61,6 @@ import copy
 import datetime
 import math
 import os
-import queue as queue_mod
 import resource
 import statistics
 import sys
@@ -365,39 +364,8 @@ def _spawn(cfg: Config) -> list[list[dict[str, Any]]]:
     ]
     for p in procs:
         p.start()
-    got: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + cfg.run_timeout_s
-    try:
-        while len(got) < cfg.workers and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-                got[rank] = (status, value)
-                if status == "error":
-                    # Give the others a moment to report their own view of the failure, then stop.
-                    end = min(deadline, time.monotonic() + 10.0)
-                    while len(got) < cfg.workers and time.monotonic() < end:
-                        try:
-                            r2, s2, v2 = results.get(timeout=0.5)
-                            got[r2] = (s2, v2)
-                        except queue_mod.Empty:
-                            pass
-                    break
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in got and not p.is_alive()]
-                if dead:
-                    try:  # a rank that reported just before exiting
-                        rank, status, value = results.get(timeout=5.0)
-                        got[rank] = (status, value)
-                        continue
-                    except queue_mod.Empty:
-                        break
-        for p in procs:
-            p.join(timeout=max(1.0, min(30.0, deadline - time.monotonic())) if len(got) == cfg.workers else 0)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    got = common.collect_worker_results(procs, results, deadline)
     if len(got) == cfg.workers and all(s == "ok" for s, _ in got.values()):
         return [got[r][1] for r in range(cfg.workers)]
     lines = []

@@ -58,7 +58,6 @@ import dataclasses
 import datetime
 import io
 import os
-import queue as queue_mod
 import random
 import secrets
 import sys
@@ -350,36 +349,7 @@ def run_workers(cfg: SoakConfig) -> list[dict[str, Any]]:
     ]
     for p in procs:
         p.start()
-    got: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + cfg.run_timeout()
-    try:
-        while len(got) < cfg.workers and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode not in (None, 0)]
-                if dead:
-                    for i in dead:
-                        got[i] = ("error", f"exited with code {procs[i].exitcode} without a result")
-                    break
-                continue
-            got[rank] = (status, value)
-            if status == "error":
-                # Give the others a moment to report their own view of the failure, then stop.
-                end = min(deadline, time.monotonic() + 10.0)
-                while len(got) < cfg.workers and time.monotonic() < end:
-                    try:
-                        r2, s2, v2 = results.get(timeout=0.5)
-                        got[r2] = (s2, v2)
-                    except queue_mod.Empty:
-                        pass
-                break
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(10)
+    got = common.collect_worker_results(procs, results, time.monotonic() + cfg.run_timeout())
     if len(got) == cfg.workers and all(s == "ok" for s, _ in got.values()):
         return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(cfg.workers)]
     report = []
