@@ -30,11 +30,9 @@ def _train_with_barriers(rank, world, policy):
             (-p.sum()).backward()
             opt.step()
             done += 1
-        t0 = time.monotonic()
         opt.barrier()
-        waited = time.monotonic() - t0
     opt.close()
-    return done, waited, p.detach().clone(), opt.stats().pushes_sent
+    return done, p.detach().clone()
 
 
 @multiproc
@@ -42,6 +40,6 @@ def _train_with_barriers(rank, world, policy):
 def test_barrier_mid_training(policy):
     res = run_workers(_train_with_barriers, 4, args=(policy,), timeout=150)
     assert all(r[0] == 18 for r in res)
-    final = res[0][2]
-    assert all(torch.equal(final, r[2]) for r in res)  # close() leaves every replica equal
+    final = res[0][1]
+    assert all(torch.equal(final, r[1]) for r in res)  # close() leaves every replica equal
     assert torch.isfinite(final).all() and (final > 0).all()

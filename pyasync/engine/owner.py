@@ -501,12 +501,7 @@ class Owner:
         ring = self.reply_frames.get((s.bucket, w))
         if ring is None:
             ring = self.reply_frames[(s.bucket, w)] = [wire.ReplyFrame(s.master.numel(), self.n) for _ in range(2)]
-        fr = ring[0]
-        ring.append(ring.pop(0))
-        if fr.handle is not None:
-            fr.handle.wait(self.timeout)
-            fr.handle = None
-        return fr
+        return wire.next_frame(ring, self.timeout)
 
     def _answer_each(self, ap: _Applier, s: ShardState) -> None:
         included = [p - 1 for p in s.processed]

@@ -306,8 +306,24 @@ def _frame(total: int, header: Header | None, device) -> tuple[torch.Tensor, tor
     off = 0 if header is None else HEADER_BYTES
     buf = torch.empty(off + total, dtype=torch.uint8, device=device)
     if header is not None:
-        encode_header(dataclasses.replace(header, nbytes=total), out=buf[:HEADER_BYTES].view(torch.int64))
+        _seal(buf, header, total)
     return buf, buf[off:]
+
+
+def _seal(buf: torch.Tensor, header: Header, nbytes: int) -> None:
+    """Write ``header``, its nbytes set to the payload size, at the front of frame ``buf``."""
+    encode_header(dataclasses.replace(header, nbytes=nbytes), out=buf[:HEADER_BYTES].view(torch.int64))
+
+
+def next_frame(ring: list, timeout):
+    """Take the least recently used of a list of reusable send frames (PushFrame / ReplyFrame), after
+    waiting (at most ``timeout``) for the send it carried last; it goes to the back of the list."""
+    fr = ring.pop(0)
+    ring.append(fr)
+    if fr.handle is not None:
+        fr.handle.wait(timeout)
+        fr.handle = None
+    return fr
 
 
 def pack_push(
@@ -387,7 +403,7 @@ class PushFrame:
 
     def seal(self, header: Header) -> torch.Tensor:
         """Write ``header`` (its nbytes set to the payload size) in front; returns the frame."""
-        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        _seal(self.buf, header, self.nbytes)
         return self.buf
 
 
@@ -407,7 +423,7 @@ class ReplyFrame:
         vector, write the header; returns the frame."""
         self.values.copy_(values)
         self.clocks.copy_(clocks)
-        encode_header(dataclasses.replace(header, nbytes=self.nbytes), out=self.buf[:HEADER_BYTES].view(torch.int64))
+        _seal(self.buf, header, self.nbytes)
         return self.buf
 
 

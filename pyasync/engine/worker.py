@@ -292,12 +292,7 @@ class Engine:
         ring = self.push_frames.get((b, r))
         if ring is None:
             return None  # the first push sizes the ring (see _push_bucket)
-        fr = ring[0]
-        ring.append(ring.pop(0))
-        if fr.handle is not None:
-            fr.handle.wait(self.timeout)
-            fr.handle = None
-        return fr
+        return wire.next_frame(ring, self.timeout)
 
     def _push_bucket(self, b: int, clock: int, grads, has, versions) -> None:
         lay = self.layouts[b]
