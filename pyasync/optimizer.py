@@ -31,6 +31,8 @@ from pyasync.engine.stats import Stats
 from pyasync.engine.worker import Engine
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Policy, parse_policy
+from pyasync.transport.base import Transport
+from pyasync.transport.gloo import GlooTransport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -72,6 +74,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the bucket's parameter names, once). "raise": the same, and then ``step()`` raises
             :class:`pyasync.NonFiniteGradientError` on the rank that computed it (after its step
             completed, so the optimizer stays usable). The check is fused into the encode kernels.
+        transport: a factory ``transport(process_group, timeout) -> pyasync.transport.Transport`` that
+            builds the point-to-point transport the engine talks over (None: gloo, see
+            pyasync.transport.gloo). Benchmarks use it to put an emulated link in front of gloo.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         num_appliers: int = 2,
         on_nonfinite: str = "skip",
+        transport: Callable[[dist.ProcessGroup | None, datetime.timedelta], Transport] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -108,6 +114,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"num_appliers must be an int >= 1, got {num_appliers!r}")
         if on_nonfinite not in ("skip", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+        if transport is not None and not callable(transport):
+            raise TypeError(
+                "transport must be a factory transport(process_group, timeout) -> Transport, or None, got "
+                f"{type(transport).__name__}"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -231,22 +242,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             block=block,
             topk_k=lambda n: ks.get(n, -1),
         )
-        transport = None
+        tp = None
         if self._world > 1:
-            from pyasync.transport.gloo import GlooTransport
-            from pyasync.transport.throttle import ThrottledTransport, link_from_env
-
-            link = link_from_env()  # read before any group exists: a bad value leaks nothing
-            transport = GlooTransport(process_group)
-            if link is not None:
-                transport = ThrottledTransport(transport, link)
+            tp = (transport or GlooTransport)(process_group, timeout)
+            if not isinstance(tp, Transport):
+                raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
         self._engine = Engine(
             params=params,
             layouts=self._layouts,
             policy=self._policy,
             compressor=self._comp,
             rule=self._rule,
-            transport=transport,
+            transport=tp,
             rank=self._rank,
             world_size=self._world,
             timeout=timeout,

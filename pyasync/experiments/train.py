@@ -19,8 +19,8 @@ Note [Bytes sent]
 
 Note [Emulated link]
     With ``PYASYNC_LINK_GBPS`` set in the workers (``TrainConfig.bandwidth_gbps`` in local runs), every
-    rank's sends go through one emulated link of that bandwidth: pyasync's DistributedOptimizer wraps its
-    transport in ``ThrottledTransport``, and DDP's hook delays each all-reduce's future by the wire time
+    rank's sends go through one emulated link of that bandwidth: the harness hands pyasync's
+    DistributedOptimizer a transport factory that wraps gloo in ``ThrottledTransport``, and DDP's hook delays each all-reduce's future by the wire time
     of what this rank sends. See Note [Link emulation] in ``pyasync.transport.throttle``.
 """
 
@@ -125,6 +125,14 @@ def _flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def _throttled(link):
+    """A transport factory: gloo behind the emulated ``link`` (see Note [Emulated link])."""
+    from pyasync.transport.gloo import GlooTransport
+    from pyasync.transport.throttle import ThrottledTransport
+
+    return lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link)
+
+
 def train_worker(
     cfg: TrainConfig,
     rank: int,
@@ -225,6 +233,7 @@ def train_worker(
             policy=cfg.system.policy,
             compression=cfg.system.compression,
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            transport=None if link is None else _throttled(link),
         )
     else:
         net = model

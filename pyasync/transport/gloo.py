@@ -50,7 +50,9 @@ class _GlooHandle(Handle):
 class GlooTransport(Transport):
     """Point-to-point messages over gloo among the ranks of ``process_group`` (None: the default)."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | None = None
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "

@@ -1,7 +1,9 @@
 """Link emulation: a sending NIC of fixed bandwidth in front of any Transport, to study slow links on one
 machine.
 
-    export PYASYNC_LINK_GBPS=1          # every DistributedOptimizer of this process sends at 1 Gbit/s
+    link = link_from_env()              # PYASYNC_LINK_GBPS=1: 1 Gbit/s
+    opt = pyasync.DistributedOptimizer(
+        sgd, transport=lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link))
 
 Note [Link emulation]
     One :class:`Link` models the sending side of one network interface per process: messages leave it
