@@ -173,16 +173,7 @@ GatherFn gather_for(const ApplyParams& p) {
   const bool payload = p.grad.codes != nullptr;
   const bool dense = p.dense != nullptr;
   if (!payload) return &gather<Codec::kNone, false, true>;
-  switch (p.grad.codec) {
-    case Codec::kNone: return pick_gather<Codec::kNone>(payload, dense);
-    case Codec::kFP16: return pick_gather<Codec::kFP16>(payload, dense);
-    case Codec::kBF16: return pick_gather<Codec::kBF16>(payload, dense);
-    case Codec::kInt8: return pick_gather<Codec::kInt8>(payload, dense);
-    case Codec::kSign: return pick_gather<Codec::kSign>(payload, dense);
-    default: break;
-  }
-  throw ArgumentError("pyasync: apply cannot decode codec id " + std::to_string(static_cast<int>(p.grad.codec)) +
-                      " inline (top-k must be scattered into `dense` first)");
+  PYASYNC_DISPATCH_INLINE_CODEC(p.grad.codec, return pick_gather<C>(payload, dense));
 }
 
 StepFn step_for(const OptimParams& o) {

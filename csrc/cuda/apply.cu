@@ -203,16 +203,7 @@ void apply_cuda(const ApplyParams& p, StreamHandle stream) {
   else if (p.opt.momentum != 0.0f)
     PYASYNC_CHECK_ARG(p.state1 != nullptr, "apply: SGD with momentum needs a momentum buffer");
   const cudaStream_t s = as_stream(stream);
-  switch (g.codes == nullptr ? Codec::kNone : g.codec) {
-    case Codec::kNone: return launch<Codec::kNone>(p, s);
-    case Codec::kFP16: return launch<Codec::kFP16>(p, s);
-    case Codec::kBF16: return launch<Codec::kBF16>(p, s);
-    case Codec::kInt8: return launch<Codec::kInt8>(p, s);
-    case Codec::kSign: return launch<Codec::kSign>(p, s);
-    default: break;
-  }
-  throw ArgumentError("pyasync: apply cannot decode codec id " + std::to_string(static_cast<int>(g.codec)) +
-                      " inline (top-k must be scattered into `dense` first)");
+  PYASYNC_DISPATCH_INLINE_CODEC(g.codes == nullptr ? Codec::kNone : g.codec, return launch<C>(p, s));
 }
 
 }  // namespace pyasync

@@ -138,6 +138,46 @@ pyasync::StreamHandle stream_of(addr s) {
 }
 #endif
 
+
+// Note [Kernel bindings]
+// Every kernel is bound twice, `<op>_cpu(args...)` and `<op>_cuda(args..., stream)`, with the same
+// argument names: its Params factory turns the Python-facing arguments (addresses, sizes, ids) into
+// the plain parameter struct, then the GIL is released around the launcher. def_kernel writes both
+// bindings from the factory and the two launchers, so no lambda is written per op and device.
+template <typename P, typename... A, typename... Names>
+void def_kernel(py::module_& m, const char* cpu_name, [[maybe_unused]] const char* cuda_name, P (*make)(A...),
+                void (*cpu)(const P&),
+#if defined(PYASYNC_WITH_CUDA)
+                void (*cuda)(const P&, pyasync::StreamHandle),
+#endif
+                const Names&... names) {
+  m.def(
+      cpu_name,
+      [make, cpu](A... a) {
+        const P p = make(a...);
+        py::gil_scoped_release nogil;
+        cpu(p);
+      },
+      names...);
+#if defined(PYASYNC_WITH_CUDA)
+  m.def(
+      cuda_name,
+      [make, cuda](A... a, addr stream) {
+        const P p = make(a...);
+        const auto s = stream_of(stream);
+        py::gil_scoped_release nogil;
+        cuda(p, s);
+      },
+      names..., py::arg("stream"));
+#endif
+}
+
+#if defined(PYASYNC_WITH_CUDA)
+#define PYASYNC_LAUNCHERS(op) &pyasync::op##_cpu, &pyasync::op##_cuda
+#else
+#define PYASYNC_LAUNCHERS(op) &pyasync::op##_cpu
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -174,104 +214,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dense"), py::arg("dense_scale"), py::arg("param"), py::arg("state1"), py::arg("state2"),       \
       py::arg("opt"), py::arg("num_threads")
 
-  // ---- CPU
-  m.def(
-      "flatten_cpu",
-      [](const std::vector<uint64_t>& srcs, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
-         int32_t sd, int32_t dd, addr bucket, float scale, addr nonfinite, int32_t nt) {
-        const auto p = flatten_params(srcs, numels, offsets, sd, dd, bucket, scale, nonfinite, nt);
-        py::gil_scoped_release nogil;
-        pyasync::flatten_cpu(p);
-      },
-      PYASYNC_FLATTEN_ARGS);
-  m.def(
-      "unflatten_cpu",
-      [](const std::vector<uint64_t>& dsts, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
-         int32_t sd, int32_t dd, addr src, int64_t begin, int64_t end, int32_t nt) {
-        const auto p = unflatten_params(dsts, numels, offsets, sd, dd, src, begin, end, nt);
-        py::gil_scoped_release nogil;
-        pyasync::unflatten_cpu(p);
-      },
-      PYASYNC_UNFLATTEN_ARGS);
-  m.def(
-      "encode_cpu",
-      [](addr g, addr ri, addr ro, int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k,
-         int32_t block, addr nf, addr ws, int64_t wsb, int32_t nt) {
-        const auto p = encode_params(g, ri, ro, codec, codes, scales, idx, n, k, block, nf, ws, wsb, nt);
-        py::gil_scoped_release nogil;
-        pyasync::encode_cpu(p);
-      },
-      PYASYNC_ENCODE_ARGS);
-  m.def(
-      "decode_cpu",
-      [](int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k, int32_t block, addr out,
-         float alpha, bool acc, int32_t nt) {
-        const auto p = decode_params(codec, codes, scales, idx, n, k, block, out, alpha, acc, nt);
-        py::gil_scoped_release nogil;
-        pyasync::decode_cpu(p);
-      },
-      PYASYNC_DECODE_ARGS);
-  m.def(
-      "apply_cpu",
-      [](int32_t codec, addr codes, addr scales, int64_t n, int32_t block, float gs, addr dense, float ds,
-         addr param, addr s1, addr s2, const py::dict& opt, int32_t nt) {
-        const auto p = apply_params(codec, codes, scales, n, block, gs, dense, ds, param, s1, s2, opt, nt);
-        py::gil_scoped_release nogil;
-        pyasync::apply_cpu(p);
-      },
-      PYASYNC_APPLY_ARGS);
-
-#if defined(PYASYNC_WITH_CUDA)
-  // ---- CUDA: same arguments plus the stream handle (torch.cuda.current_stream().cuda_stream)
-  m.def(
-      "flatten_cuda",
-      [](const std::vector<uint64_t>& srcs, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
-         int32_t sd, int32_t dd, addr bucket, float scale, addr nonfinite, int32_t nt, addr stream) {
-        const auto p = flatten_params(srcs, numels, offsets, sd, dd, bucket, scale, nonfinite, nt);
-        const auto s = stream_of(stream);
-        py::gil_scoped_release nogil;
-        pyasync::flatten_cuda(p, s);
-      },
-      PYASYNC_FLATTEN_ARGS, py::arg("stream"));
-  m.def(
-      "unflatten_cuda",
-      [](const std::vector<uint64_t>& dsts, const std::vector<int64_t>& numels, const std::vector<int64_t>& offsets,
-         int32_t sd, int32_t dd, addr src, int64_t begin, int64_t end, int32_t nt, addr stream) {
-        const auto p = unflatten_params(dsts, numels, offsets, sd, dd, src, begin, end, nt);
-        const auto s = stream_of(stream);
-        py::gil_scoped_release nogil;
-        pyasync::unflatten_cuda(p, s);
-      },
-      PYASYNC_UNFLATTEN_ARGS, py::arg("stream"));
-  m.def(
-      "encode_cuda",
-      [](addr g, addr ri, addr ro, int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k,
-         int32_t block, addr nf, addr ws, int64_t wsb, int32_t nt, addr stream) {
-        const auto p = encode_params(g, ri, ro, codec, codes, scales, idx, n, k, block, nf, ws, wsb, nt);
-        const auto s = stream_of(stream);
-        py::gil_scoped_release nogil;
-        pyasync::encode_cuda(p, s);
-      },
-      PYASYNC_ENCODE_ARGS, py::arg("stream"));
-  m.def(
-      "decode_cuda",
-      [](int32_t codec, addr codes, addr scales, addr idx, int64_t n, int64_t k, int32_t block, addr out,
-         float alpha, bool acc, int32_t nt, addr stream) {
-        const auto p = decode_params(codec, codes, scales, idx, n, k, block, out, alpha, acc, nt);
-        const auto s = stream_of(stream);
-        py::gil_scoped_release nogil;
-        pyasync::decode_cuda(p, s);
-      },
-      PYASYNC_DECODE_ARGS, py::arg("stream"));
-  m.def(
-      "apply_cuda",
-      [](int32_t codec, addr codes, addr scales, int64_t n, int32_t block, float gs, addr dense, float ds,
-         addr param, addr s1, addr s2, const py::dict& opt, int32_t nt, addr stream) {
-        const auto p = apply_params(codec, codes, scales, n, block, gs, dense, ds, param, s1, s2, opt, nt);
-        const auto s = stream_of(stream);
-        py::gil_scoped_release nogil;
-        pyasync::apply_cuda(p, s);
-      },
-      PYASYNC_APPLY_ARGS, py::arg("stream"));
-#endif
+  def_kernel(m, "flatten_cpu", "flatten_cuda", &flatten_params, PYASYNC_LAUNCHERS(flatten), PYASYNC_FLATTEN_ARGS);
+  def_kernel(m, "unflatten_cpu", "unflatten_cuda", &unflatten_params, PYASYNC_LAUNCHERS(unflatten),
+             PYASYNC_UNFLATTEN_ARGS);
+  def_kernel(m, "encode_cpu", "encode_cuda", &encode_params, PYASYNC_LAUNCHERS(encode), PYASYNC_ENCODE_ARGS);
+  def_kernel(m, "decode_cpu", "decode_cuda", &decode_params, PYASYNC_LAUNCHERS(decode), PYASYNC_DECODE_ARGS);
+  def_kernel(m, "apply_cpu", "apply_cuda", &apply_params, PYASYNC_LAUNCHERS(apply), PYASYNC_APPLY_ARGS);
 }

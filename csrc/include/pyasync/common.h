@@ -45,6 +45,28 @@ struct ArgumentError : std::invalid_argument {
     if (!(cond)) throw ::pyasync::ArgumentError(std::string("pyasync: ") + (msg)); \
   } while (0)
 
+// Note [Inline codec dispatch]
+// The fused apply decodes none, fp16, bf16, int8 and sign payloads inside its kernel, one template
+// instance per codec; top-k is scattered into a dense gradient first (see Note [Fused apply]). This
+// macro is the one switch from the runtime codec to the compile-time one, shared by the CPU and CUDA
+// apply (the way apex's type_shim.h dispatches dtypes): inside the body (the macro's remaining
+// arguments), the constexpr `C` is the codec.
+// Any other codec throws ArgumentError naming it.
+#define PYASYNC_DISPATCH_INLINE_CODEC(CODEC, ...)                                                    \
+  do {                                                                                               \
+    switch (CODEC) {                                                                                 \
+      case ::pyasync::Codec::kNone: { constexpr ::pyasync::Codec C = ::pyasync::Codec::kNone; __VA_ARGS__; } \
+      case ::pyasync::Codec::kFP16: { constexpr ::pyasync::Codec C = ::pyasync::Codec::kFP16; __VA_ARGS__; } \
+      case ::pyasync::Codec::kBF16: { constexpr ::pyasync::Codec C = ::pyasync::Codec::kBF16; __VA_ARGS__; } \
+      case ::pyasync::Codec::kInt8: { constexpr ::pyasync::Codec C = ::pyasync::Codec::kInt8; __VA_ARGS__; } \
+      case ::pyasync::Codec::kSign: { constexpr ::pyasync::Codec C = ::pyasync::Codec::kSign; __VA_ARGS__; } \
+      default:                                                                                       \
+        throw ::pyasync::ArgumentError("pyasync: apply cannot decode codec id " +                     \
+                                       std::to_string(static_cast<int>(CODEC)) +                      \
+                                       " inline (top-k must be scattered into `dense` first)");      \
+    }                                                                                                \
+  } while (0)
+
 // CPU thread count: `requested` > 0 wins, else set_num_threads(), else PYASYNC_NUM_THREADS, else
 // the OpenMP default. Defined in csrc/cpu/threads.cpp.
 int resolve_num_threads(int32_t requested);
