@@ -28,6 +28,7 @@ from typing import Any, Hashable, Optional, Union
 
 import torch
 
+from pyasync._validate import check_bool, check_int, check_real
 from pyasync.ops import codecs as _codecs
 from pyasync.ops._common import Payload
 
@@ -43,24 +44,12 @@ __all__ = [
 ]
 
 
-def _check_bool(name: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {type(v).__name__} ({v!r})")
-    return v
-
-
 def _check_block(v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"block must be an int (elements per scale), got {type(v).__name__} ({v!r})")
-    if not 1 <= v <= _codecs.MAX_BLOCK:
-        raise ValueError(f"block must be in [1, {_codecs.MAX_BLOCK}] elements, got {v}")
-    return v
+    return check_int("block", v, lo=1, hi=_codecs.MAX_BLOCK, what="elements per scale")
 
 
 def _check_ratio(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"ratio must be a float in (0, 1] (the fraction kept), got {type(v).__name__}")
-    v = float(v)
+    v = check_real("ratio", v)
     if not 0.0 < v <= 1.0:
         raise ValueError(f"ratio must be in (0, 1] (the fraction of elements kept), got {v!r}")
     return v
@@ -76,7 +65,7 @@ class Compressor:
     def __init__(self, error_feedback: bool = True) -> None:
         if type(self) is Compressor:
             raise TypeError("Compressor is a base class; use NoCompression, FP16, BF16, Int8, Sign or TopK")
-        self.error_feedback = _check_bool("error_feedback", error_feedback) and self.lossy
+        self.error_feedback = check_bool("error_feedback", error_feedback) and self.lossy
         # key -> [current residual, spare buffer]; see the module docstring.
         self._residuals: dict[Hashable, list[torch.Tensor]] = {}
 
@@ -97,6 +86,13 @@ class Compressor:
             return self.name
         args = [f"{k}={v!r}" for k, v in self._args().items()] + [f"ef={int(self.error_feedback)}"]
         return f"{self.name}({','.join(args)})"
+
+    def wire_params(self, n: int) -> tuple[str, int, int]:
+        """(codec, block, k) of the payloads this compressor makes for ``n`` >= 1 elements: what the
+        wire announces and checks (block: elements per scale for int8/sign, else 0; k: top-k's kept
+        elements, else 0)."""
+        kw = self._encode_kwargs(n)
+        return self.name, kw.get("block", 0), kw.get("k", 0)
 
     def wire_bytes(self, n: int) -> int:
         """Bytes of the payload tensors for n elements (headers aside)."""

@@ -13,6 +13,30 @@ from pyasync import _ext
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "int8": 3, "sign": 4, "topk": 5}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+BLOCK_CODECS = ("int8", "sign")  # codecs with a per-block fp32 scale
+CODE_DTYPES = {
+    "none": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "int8": torch.int8,
+    "sign": torch.uint8,
+    "topk": torch.float32,
+}
+
+
+def payload_parts(codec: str, n: int, block: int, k: int) -> tuple[tuple[str, torch.dtype, int], ...]:
+    """The tensors of a payload of ``codec`` for ``n`` elements, in wire order: (field, dtype, numel).
+
+    The one place the payload layout is written (ops.codecs allocates and checks payloads with it, the
+    wire lays frames out with it). ``block``: elements per scale (int8, sign); ``k``: kept elements
+    (top-k). Arguments are trusted: validate them first."""
+    if codec in ("none", "fp16", "bf16"):
+        return (("codes", CODE_DTYPES[codec], n),)
+    if codec == "int8":
+        return (("codes", torch.int8, n), ("scales", torch.float32, -(-n // block)))
+    if codec == "sign":
+        return (("codes", torch.uint8, -(-n // 8)), ("scales", torch.float32, -(-n // block)))
+    return (("codes", torch.float32, k), ("indices", torch.int32, k))
 
 
 @dataclass

@@ -11,11 +11,11 @@ place; on CUDA the kernel runs on the current stream. The pure-torch twin is
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
+from pyasync._validate import check_bool, check_real, overlaps
 from pyasync.ops._common import CODEC_IDS, Payload, addr, check_num_threads, check_tensor, launch
 
 __all__ = ["adam_apply", "sgd_apply"]
@@ -23,34 +23,6 @@ __all__ = ["adam_apply", "sgd_apply"]
 
 # ---------------------------------------------------------------------------------------------------
 # Validation (shared with pyasync.reference.apply, so both accept exactly the same arguments)
-
-
-def _check_real(name: str, v: object, *, lo: Optional[float] = None, lo_open: bool = False,
-                hi: Optional[float] = None) -> float:
-    """v as a float, or TypeError/ValueError naming `name` (finite, and lo <= v (< if lo_open) < hi)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(v).__name__} ({v!r})")
-    f = float(v)
-    if not math.isfinite(f):
-        raise ValueError(f"{name} must be finite, got {v!r}")
-    if lo is not None and (f <= lo if lo_open else f < lo):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}")
-    if hi is not None and not f < hi:
-        raise ValueError(f"{name} must be < {hi}, got {v!r}")
-    return f
-
-
-def _check_bool(name: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {type(v).__name__} ({v!r})")
-    return v
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _check_shard(name: str, t: object, device: Optional[torch.device], n: Optional[int]) -> None:
@@ -83,8 +55,8 @@ def check_gradient(
                 "payload.finite is False: the pushed gradient held NaN/Inf and must not be applied "
                 "(skip it and count it as nonfinite_skipped)"
             )
-    _check_real("grad_scale", grad_scale)
-    _check_real("dense_scale", dense_scale)
+    check_real("grad_scale", grad_scale)
+    check_real("dense_scale", dense_scale)
     if dense is not None:
         check_tensor("dense", dense, dtype=torch.float32, device=device, numel=n)
     if scratch is not None:
@@ -103,22 +75,22 @@ def check_gradient(
                        if isinstance(t, torch.Tensor)})  # anything else fails check_payload
     for wname, w in written.items():
         for oname, o in others.items():
-            if oname != wname and _overlaps(w, o):
+            if oname != wname and overlaps(w, o):
                 raise ValueError(f"{wname} and {oname} share memory; every state tensor needs its own storage")
-    if scratch is not None and dense is not None and _overlaps(scratch, dense):
+    if scratch is not None and dense is not None and overlaps(scratch, dense):
         raise ValueError("scratch and dense share memory; pass a separate scratch buffer")
 
 
 def check_sgd(lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float,
               maximize: bool, first_step: bool, momentum_buffer: Optional[torch.Tensor]) -> dict:
     """Validate the SGD hyperparameters as torch.optim.SGD does; returns the state tensors to check."""
-    _check_real("lr", lr, lo=0.0)
-    _check_real("momentum", momentum, lo=0.0)
-    _check_real("dampening", dampening)
-    _check_real("weight_decay", weight_decay, lo=0.0)
-    _check_bool("nesterov", nesterov)
-    _check_bool("maximize", maximize)
-    _check_bool("first_step", first_step)
+    check_real("lr", lr, lo=0.0)
+    check_real("momentum", momentum, lo=0.0)
+    check_real("dampening", dampening)
+    check_real("weight_decay", weight_decay, lo=0.0)
+    check_bool("nesterov", nesterov)
+    check_bool("maximize", maximize)
+    check_bool("first_step", first_step)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov=True requires momentum > 0 and dampening == 0 (as torch.optim.SGD)")
     if momentum != 0:
@@ -133,13 +105,13 @@ def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: 
                decoupled_weight_decay: bool, maximize: bool, step: int,
                exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
     """Validate the Adam/AdamW hyperparameters as torch.optim.Adam does; returns the state tensors."""
-    _check_real("lr", lr, lo=0.0)
-    _check_real("beta1", beta1, lo=0.0, hi=1.0)
-    _check_real("beta2", beta2, lo=0.0, hi=1.0)
-    _check_real("eps", eps, lo=0.0)
-    _check_real("weight_decay", weight_decay, lo=0.0)
-    _check_bool("decoupled_weight_decay", decoupled_weight_decay)
-    _check_bool("maximize", maximize)
+    check_real("lr", lr, lo=0.0)
+    check_real("beta1", beta1, lo=0.0, hi=1.0)
+    check_real("beta2", beta2, lo=0.0, hi=1.0)
+    check_real("eps", eps, lo=0.0)
+    check_real("weight_decay", weight_decay, lo=0.0)
+    check_bool("decoupled_weight_decay", decoupled_weight_decay)
+    check_bool("maximize", maximize)
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int (the 1-based step count after this update), got {type(step).__name__}")
     if step < 1:
@@ -160,7 +132,7 @@ def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[floa
 
 def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, dense: Optional[torch.Tensor],
            dense_scale: float, scratch: Optional[torch.Tensor], state1: Optional[torch.Tensor],
-           state2: Optional[torch.Tensor], opt: dict, num_threads: Optional[int]) -> None:
+           state2: Optional[torch.Tensor], opt: dict, num_threads: Optional[int], validate: bool = True) -> None:
     nt = check_num_threads(num_threads)
     n = param.numel()
     if n == 0:
@@ -173,7 +145,8 @@ def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, d
         g = scratch if scratch is not None else torch.empty(n, dtype=torch.float32, device=param.device)
         if dense is not None:
             torch.mul(dense.view(-1), float(dense_scale), out=g)
-        decode(payload, out=g, alpha=float(grad_scale), accumulate=dense is not None, num_threads=num_threads)
+        decode(payload, out=g, alpha=float(grad_scale), accumulate=dense is not None, num_threads=num_threads,
+               validate=validate)
         payload, dense, dense_scale = None, g, 1.0
     codec = payload.codec if payload is not None else "none"
     launch(
@@ -212,6 +185,7 @@ def sgd_apply(
     first_step: bool = False,
     scratch: Optional[torch.Tensor] = None,
     num_threads: Optional[int] = None,
+    validate: bool = True,
 ) -> None:
     """One torch.optim.SGD step on ``param`` in place, from
     ``g = dense_scale * dense + grad_scale * decode(payload)`` (either term may be absent, not both).
@@ -223,9 +197,13 @@ def sgd_apply(
     momentum_buffer: n fp32, updated in place; required when momentum != 0 (unused otherwise).
     first_step: the buffer is set to g, as torch does when it has no buffer yet.
     scratch: n fp32 used for top-k (allocated when None). num_threads: CPU threads (None: default).
+    validate: False skips the checks of the tensors and the payload (the hyperparameters are always
+    checked): for callers whose tensors are their own and whose payload was validated where it came in
+    (the engine: its own encoder, or the wire).
     """
     state = check_sgd(lr, momentum, dampening, nesterov, weight_decay, maximize, first_step, momentum_buffer)
-    check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    if validate:
+        check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
     opt = {
         "kind": "sgd",
         "lr": float(lr),
@@ -237,7 +215,7 @@ def sgd_apply(
         "first_step": first_step,
     }
     _apply(param, payload, grad_scale, dense, dense_scale, scratch, state.get("momentum_buffer"), None, opt,
-           num_threads)
+           num_threads, validate)
 
 
 def adam_apply(
@@ -259,11 +237,12 @@ def adam_apply(
     exp_avg_sq: torch.Tensor,
     scratch: Optional[torch.Tensor] = None,
     num_threads: Optional[int] = None,
+    validate: bool = True,
 ) -> None:
     """One torch.optim.Adam step (AdamW with ``decoupled_weight_decay=True``; amsgrad=False) on
     ``param`` in place, from ``g = dense_scale * dense + grad_scale * decode(payload)``.
 
-    param, payload, dense, grad_scale, dense_scale, scratch, num_threads: as :func:`sgd_apply`.
+    param, payload, dense, grad_scale, dense_scale, scratch, num_threads, validate: as :func:`sgd_apply`.
     lr, beta1, beta2, eps, weight_decay, maximize: as torch.optim.Adam (betas=(beta1, beta2)).
     step: the 1-based step count after this update (torch's state["step"] after its increment);
     the bias corrections are computed from it in double, as torch does.
@@ -271,7 +250,8 @@ def adam_apply(
     """
     state = check_adam(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, step, exp_avg,
                        exp_avg_sq)
-    check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    if validate:
+        check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
     step_size, bias_correction2_sqrt = adam_scalars(float(lr), float(beta1), float(beta2), step)
     opt = {
         "kind": "adam",
@@ -285,4 +265,4 @@ def adam_apply(
         "step_size": step_size,
         "bias_correction2_sqrt": bias_correction2_sqrt,
     }
-    _apply(param, payload, grad_scale, dense, dense_scale, scratch, exp_avg, exp_avg_sq, opt, num_threads)
+    _apply(param, payload, grad_scale, dense, dense_scale, scratch, exp_avg, exp_avg_sq, opt, num_threads, validate)

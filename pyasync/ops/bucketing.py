@@ -12,12 +12,12 @@ even) to the destination dtype. All offsets and sizes are in elements, never byt
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Optional, Sequence
 
 import torch
 
+from pyasync._validate import check_real
 from pyasync.ops._common import DTYPE_IDS, addr, check_num_threads, check_tensor, launch
 
 __all__ = ["SUPPORTED_DTYPES", "flatten", "unflatten"]
@@ -123,11 +123,7 @@ def flatten(
         raise ValueError(f"tensors has {count} entries; at most {_MAX_TENSORS} fit in one call")
     offs = _int_list("offsets", offsets, count, "tensors")
     given = None if numels is None else _int_list("numels", numels, count, "tensors")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__} ({scale!r})")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = check_real("scale", scale)
     if nonfinite is not None:
         check_tensor("nonfinite", nonfinite, dtype=torch.int32, device=device, numel=1)
     nt = check_num_threads(num_threads)

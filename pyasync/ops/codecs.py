@@ -21,7 +21,17 @@ from typing import Optional, Union
 
 import torch
 
-from pyasync.ops._common import CODEC_IDS, Payload, addr, check_num_threads, check_tensor, launch
+from pyasync._validate import check_bool, check_int, check_real, overlaps
+from pyasync.ops._common import (
+    BLOCK_CODECS,
+    CODEC_IDS,
+    Payload,
+    addr,
+    check_num_threads,
+    check_tensor,
+    launch,
+    payload_parts,
+)
 
 __all__ = [
     "CODECS",
@@ -35,18 +45,9 @@ __all__ = [
 ]
 
 CODECS = tuple(CODEC_IDS)  # valid codec names, in id order
-BLOCK_CODECS = ("int8", "sign")  # codecs with a per-block scale
 MAX_BLOCK = 1 << 20  # largest block (elements) accepted: one scale per at most 1 Mi elements
 MAX_ELEMENTS = (1 << 31) - 1  # top-k indices are int32; other codecs take any int64 size
 
-_CODE_DTYPES = {
-    "none": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "int8": torch.int8,
-    "sign": torch.uint8,
-    "topk": torch.float32,
-}
 
 DeviceLike = Union[torch.device, str, int, None]
 
@@ -59,21 +60,12 @@ def _check_codec(codec: str) -> str:
     return codec
 
 
-def _check_int(name: str, v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
-    return v
-
-
 def _check_block(block: object) -> int:
-    block = _check_int("block", block)
-    if not 1 <= block <= MAX_BLOCK:
-        raise ValueError(f"block must be in [1, {MAX_BLOCK}] elements, got {block}")
-    return block
+    return check_int("block", block, lo=1, hi=MAX_BLOCK, what="elements")
 
 
 def _check_k(k: object, n: int) -> int:
-    k = _check_int("k", k)
+    k = check_int("k", k)
     if n < 1:
         raise ValueError("top-k needs a non-empty tensor (n >= 1)")
     if n > MAX_ELEMENTS:
@@ -85,11 +77,10 @@ def _check_k(k: object, n: int) -> int:
 
 def topk_count(n: int, ratio: float) -> int:
     """Elements top-k keeps of `n`: ``min(n, max(1, ceil(ratio * n)))``, for ``0 < ratio <= 1``."""
-    n = _check_int("n", n)
+    n = check_int("n", n)
     if n < 1:
         raise ValueError(f"n must be >= 1 elements, got {n}")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"ratio must be a float in (0, 1], got {type(ratio).__name__}")
+    ratio = check_real("ratio", ratio)
     if not (0.0 < ratio <= 1.0):
         raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
     return min(n, max(1, math.ceil(ratio * n)))
@@ -98,46 +89,26 @@ def topk_count(n: int, ratio: float) -> int:
 def payload_nbytes(codec: str, n: int, *, block: int = 256, k: int = 0) -> int:
     """Bytes of the payload tensors for `n` elements (what goes on the wire, headers aside)."""
     codec = _check_codec(codec)
-    n = _check_int("n", n)
+    n = check_int("n", n)
     if n < 0:
         raise ValueError(f"n must be >= 0 elements, got {n}")
-    if codec == "none":
-        return 4 * n
-    if codec in ("fp16", "bf16"):
-        return 2 * n
-    if codec == "topk":
-        return 8 * _check_k(k, n)
-    block = _check_block(block)
-    nblocks = -(-n // block)
-    return (n if codec == "int8" else -(-n // 8)) + 4 * nblocks
-
-
-def _shapes(codec: str, n: int, block: int, k: int) -> tuple[int, int, int]:
-    """(code elements, scale elements, index elements) of a payload."""
-    if codec in ("none", "fp16", "bf16"):
-        return n, 0, 0
-    if codec == "int8":
-        return n, -(-n // block), 0
-    if codec == "sign":
-        return -(-n // 8), -(-n // block), 0
-    return k, 0, k
+    block = _check_block(block) if codec in BLOCK_CODECS else 0
+    k = _check_k(k, n) if codec == "topk" else 0
+    return sum(numel * dt.itemsize for _, dt, numel in payload_parts(codec, n, block, k))
 
 
 def empty_payload(codec: str, n: int, *, device: DeviceLike = "cpu", block: int = 256, k: int = 0) -> Payload:
     """An uninitialised payload for `n` elements on `device` (block: elements per scale for int8/sign;
     k: kept elements for topk)."""
     codec = _check_codec(codec)
-    n = _check_int("n", n)
+    n = check_int("n", n)
     if n < 0:
         raise ValueError(f"n must be >= 0 elements, got {n}")
     device = torch.device("cpu" if device is None else device)
     block = _check_block(block) if codec in BLOCK_CODECS else 0
     k = _check_k(k, n) if codec == "topk" else 0
-    nc, ns, ni = _shapes(codec, n, block, k)
-    codes = torch.empty(nc, dtype=_CODE_DTYPES[codec], device=device)
-    scales = torch.empty(ns, dtype=torch.float32, device=device) if codec in BLOCK_CODECS else None
-    indices = torch.empty(ni, dtype=torch.int32, device=device) if codec == "topk" else None
-    return Payload(codec=codec, n=n, codes=codes, scales=scales, indices=indices, k=k, block=block)
+    t = {name: torch.empty(numel, dtype=dt, device=device) for name, dt, numel in payload_parts(codec, n, block, k)}
+    return Payload(codec=codec, n=n, k=k, block=block, **t)
 
 
 def check_payload(
@@ -173,22 +144,13 @@ def check_payload(
             raise ValueError(f"{name}.k must be an int in [1, n={pn}] for codec 'topk', got {pk!r}")
     block = payload.block if c in BLOCK_CODECS else 0
     k = payload.k if c == "topk" else 0
-    nc, ns, ni = _shapes(c, pn, block, k)
-    check_tensor(f"{name}.codes", payload.codes, dtype=_CODE_DTYPES[c], device=device, numel=nc)
-    dev = payload.codes.device
-    if c in BLOCK_CODECS:
-        if payload.scales is None:
-            raise ValueError(f"{name}.scales is missing: codec {c!r} needs ceil(n/block) = {ns} fp32 scales")
-        check_tensor(f"{name}.scales", payload.scales, dtype=torch.float32, device=dev, numel=ns)
-    if c == "topk":
-        if payload.indices is None:
-            raise ValueError(f"{name}.indices is missing: codec 'topk' needs k = {ni} int32 indices")
-        check_tensor(f"{name}.indices", payload.indices, dtype=torch.int32, device=dev, numel=ni)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    dev = device
+    for field, dt, numel in payload_parts(c, pn, block, k):
+        t = getattr(payload, field)
+        if t is None:
+            raise ValueError(f"{name}.{field} is missing: codec {c!r} needs {numel} {dt} elements there")
+        check_tensor(f"{name}.{field}", t, dtype=dt, device=dev, numel=numel)
+        dev = t.device
 
 
 def encode(
@@ -228,9 +190,9 @@ def encode(
             raise ValueError("residual_out needs residual_in (error feedback reads the old residual)")
         check_tensor("residual_out", residual_out, dtype=torch.float32, device=device, numel=n)
         if n > 0:
-            if _overlaps(residual_out, grad):
+            if overlaps(residual_out, grad):
                 raise ValueError("residual_out must not overlap grad")
-            if residual_out.data_ptr() != residual_in.data_ptr() and _overlaps(residual_out, residual_in):
+            if residual_out.data_ptr() != residual_in.data_ptr() and overlaps(residual_out, residual_in):
                 raise ValueError("residual_out must be residual_in itself (in place) or not overlap it")
     block = _check_block(block) if codec in BLOCK_CODECS else 0
     k = _check_k(k, n) if codec == "topk" else 0
@@ -288,20 +250,25 @@ def decode(
     alpha: float = 1.0,
     accumulate: bool = False,
     num_threads: Optional[int] = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """``out = (out if accumulate else 0) + alpha * decode(payload)``; returns out (n fp32).
 
     out: n contiguous fp32 on the payload's device; None allocates one (then accumulate adds to
     zeros). Top-k indices must lie in [0, n) and ascend strictly: checked on CPU; on CUDA (no host
     sync) the kernel skips out-of-range indices instead of touching memory outside out.
+    validate: False skips these checks, for a payload validated where it came in (the engine's own
+    encoder, or the wire's unpack_push) and an ``out`` of the caller's own.
     """
+    if not validate:
+        if out is None:
+            raise ValueError("decode(validate=False) needs out")
+        return _launch_decode(payload, out, alpha, accumulate, check_num_threads(num_threads))
     check_payload(payload)
     device = payload.device
     n = payload.n
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise TypeError(f"alpha must be a float, got {type(alpha).__name__}")
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    check_real("alpha", alpha)
+    check_bool("accumulate", accumulate)
     nt = check_num_threads(num_threads)
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=device)
@@ -316,21 +283,24 @@ def decode(
             raise ValueError(f"payload.indices must lie in [0, n={n}); got values in [{lo}, {hi}]")
         if payload.k > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise ValueError("payload.indices must be strictly ascending (a corrupt top-k payload?)")
-    if n == 0:
-        return out
-    launch(
-        "decode",
-        device,
-        codec=CODEC_IDS[payload.codec],
-        codes=addr(payload.codes),
-        scales=addr(payload.scales),
-        indices=addr(payload.indices),
-        n=n,
-        k=payload.k,
-        block=payload.block,
-        out=addr(out),
-        alpha=float(alpha),
-        accumulate=accumulate,
-        num_threads=nt,
-    )
+    return _launch_decode(payload, out, alpha, accumulate, nt)
+
+
+def _launch_decode(payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool, nt: int) -> torch.Tensor:
+    if payload.n:
+        launch(
+            "decode",
+            payload.device,
+            codec=CODEC_IDS[payload.codec],
+            codes=addr(payload.codes),
+            scales=addr(payload.scales),
+            indices=addr(payload.indices),
+            n=payload.n,
+            k=payload.k,
+            block=payload.block,
+            out=addr(out),
+            alpha=float(alpha),
+            accumulate=accumulate,
+            num_threads=nt,
+        )
     return out
