@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 from pyasync import compression
 from pyasync.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from pyasync.engine.stats import Stats
-from pyasync.engine.worker import NonFiniteGradientError
+from pyasync.engine.errors import NonFiniteGradientError
 from pyasync.optimizer import DistributedOptimizer
 from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -22,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from pyasync import compression as _compression
+from pyasync._validate import check_int, check_real
 from pyasync.engine import wire
 from pyasync.engine.agree import check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
-from pyasync.engine.worker import Engine
-from pyasync.ops import bucketing as ops_bucketing
+from pyasync.engine.engine import Engine
 from pyasync.policy import Policy, parse_policy
 from pyasync.transport.base import Transport
 from pyasync.transport.gloo import GlooTransport
@@ -42,15 +41,70 @@ __all__ = ["DistributedOptimizer"]
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _codec_params(comp, numels: set[int]) -> tuple[str, int, dict[int, int]]:
-    """(codec, block, {n: k}) the compressor produces, found by encoding zeros with a throwaway copy (so
-    the real compressor's error-feedback state is untouched)."""
-    probe = _compression.from_spec(comp.spec())
-    codec, block, ks = "none", 0, {}
-    for n in sorted(numels):
-        p = probe.compress(torch.zeros(n, dtype=torch.float32), key=("probe", n))
-        codec, block, ks[n] = p.codec, p.block, p.k
-    return codec, block, ks
+def _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group) -> None:
+    """Raise a clear error for a bad constructor argument (before anything is built)."""
+    check_real("bucket_cap_mb", bucket_cap_mb, lo=0.0, lo_open=True)
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    check_int("num_appliers", num_appliers, lo=1)
+    if on_nonfinite not in ("skip", "raise"):
+        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+    if transport is not None and not callable(transport):
+        raise TypeError(
+            "transport must be a factory transport(process_group, timeout) -> Transport, or None, got "
+            f"{type(transport).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "(backend 'gloo') on every rank before creating a DistributedOptimizer"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
+        )
+
+
+def _trainable(param_groups, named_parameters) -> tuple[list[torch.Tensor], list[int], list[str]]:
+    """(parameters, their param_group index, their names): the trainable ones, each once (tied
+    parameters are one tensor), in group order; a clear error for what pyasync cannot train."""
+    names: dict[int, str] = {}
+    if named_parameters is not None:
+        for item in named_parameters:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError("named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()")
+            names.setdefault(id(item[1]), item[0])
+    params: list[torch.Tensor] = []
+    groups: list[int] = []
+    seen: set[int] = set()
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected tensors")
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = names.get(id(p), f"param{len(params)}")
+            if p.dtype not in _FP_DTYPES:
+                raise TypeError(
+                    f"parameter {name} has dtype {p.dtype}; pyasync supports float32, float16 and bfloat16 "
+                    "parameters"
+                )
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {name} is not contiguous; make it contiguous (p.data = p.data.contiguous()) "
+                    "before wrapping the optimizer"
+                )
+            if p.is_sparse:
+                raise TypeError("sparse parameters are not supported")
+            params.append(p)
+            groups.append(gi)
+    if not params:
+        raise ValueError("the optimizer has no parameter with requires_grad=True: nothing to train")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return params, groups, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -101,34 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._policy = parse_policy(policy)
         self._comp = _compression.from_spec(compression)
-        if (
-            isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, (int, float))
-            or not math.isfinite(bucket_cap_mb)
-            or bucket_cap_mb <= 0
-        ):
-            raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB), got {bucket_cap_mb!r}")
-        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-            raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-        if isinstance(num_appliers, bool) or not isinstance(num_appliers, int) or num_appliers < 1:
-            raise ValueError(f"num_appliers must be an int >= 1, got {num_appliers!r}")
-        if on_nonfinite not in ("skip", "raise"):
-            raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
-        if transport is not None and not callable(transport):
-            raise TypeError(
-                "transport must be a factory transport(process_group, timeout) -> Transport, or None, got "
-                f"{type(transport).__name__}"
-            )
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call torch.distributed.init_process_group "
-                "(backend 'gloo') on every rank before creating a DistributedOptimizer"
-            )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"process_group must be a torch.distributed ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
+        _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group)
         self._group = process_group
         self._rank = dist.get_rank(process_group)
         if self._rank < 0:
@@ -149,98 +176,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self._engine: Engine | None = None
-        self._resumes = 0  # pauses ended (barrier(), save_checkpoint): RESUMEs every owner expects
 
-        names = {}
-        if named_parameters is not None:
-            for item in named_parameters:
-                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                    raise TypeError(
-                        "named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()"
-                    )
-                names.setdefault(id(item[1]), item[0])
-
-        # Parameters: trainable ones, each once (tied parameters are one tensor), in group order.
-        params, groups, seen = [], [], set()
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected tensors")
-                if not p.requires_grad or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if p.dtype not in _FP_DTYPES:
-                    raise TypeError(
-                        f"parameter {names.get(id(p), len(params))} has dtype {p.dtype}; pyasync "
-                        "supports float32, float16 and bfloat16 parameters"
-                    )
-                if not p.is_contiguous():
-                    raise ValueError(
-                        f"parameter {names.get(id(p), len(params))} is not contiguous; make it "
-                        "contiguous (p.data = p.data.contiguous()) before wrapping the optimizer"
-                    )
-                if p.is_sparse:
-                    raise TypeError("sparse parameters are not supported")
-                params.append(p)
-                groups.append(gi)
-        if not params:
-            raise ValueError("the optimizer has no parameter with requires_grad=True: nothing to train")
-        devices = {p.device for p in params}
-        if len(devices) != 1:
-            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-        self._params = params
-        self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
-
+        self._params, groups, self._names = _trainable(self.param_groups, named_parameters)
         cap = max(1, int(bucket_cap_mb * (1 << 20)))
         assign = compute_bucket_assignment_by_size(
-            [p.numel() * p.element_size() for p in params],
-            [str(p.dtype) for p in params],
-            [str(p.device) for p in params],
+            [p.numel() * p.element_size() for p in self._params],
+            [str(p.dtype) for p in self._params],
+            [str(p.device) for p in self._params],
             cap,
         )
-        self._layouts = build_layout(assign, [p.numel() for p in params], groups, self._world)
+        self._layouts = build_layout(assign, [p.numel() for p in self._params], groups, self._world)
         self._rule = UpdateRule(optimizer)
 
-        # Startup agreement (collectives on the user's group, main thread, before any thread starts).
-        items = {
-            "parameters": [
-                f"{i} {self._names[i]} shape={tuple(p.shape)} dtype={p.dtype} group={groups[i]}"
-                for i, p in enumerate(params)
-            ],
-            "policy": [self._policy.spec()],
-            "compression": [self._comp.spec()],
-            "optimizer": self._rule.describe(),
-            "bucket layout": [lay.describe() for lay in self._layouts],
-            "device type": [params[0].device.type],
-        }
-        check_agreement(items, process_group)
-
-        # Same starting point everywhere (as DDP): rank 0's parameters.
+        # Startup agreement and rank 0's values (collectives on the user's group, main thread, before
+        # any engine thread starts).
+        check_agreement(self._agreement_items(groups), process_group)
         if self._world > 1:
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            with torch.no_grad():
-                for lay in self._layouts:
-                    ps = [params[p] for p in lay.params]
-                    flat = torch.cat([p.detach().reshape(-1) for p in ps])
-                    if flat.device.type != "cpu":
-                        flat_cpu = flat.cpu()
-                        dist.broadcast(flat_cpu, src=src, group=process_group)
-                        flat.copy_(flat_cpu)
-                    else:
-                        dist.broadcast(flat, src=src, group=process_group)
-                    for p, o, n in zip(ps, lay.offsets, lay.numels):
-                        p.copy_(flat[o : o + n].view_as(p))
+            self._broadcast_initial()
 
-        own = {lay.shards[self._rank].numel for lay in self._layouts if lay.shards[self._rank].numel > 0}
-        codec, block, ks = _codec_params(self._comp, own)
-        spec = wire.WireSpec(
-            rank=self._rank,
-            world_size=self._world,
+        spec = wire.WireSpec.for_compressor(
+            self._comp,
+            self._rank,
+            self._world,
             shard_numels=[[s.numel for s in lay.shards] for lay in self._layouts],
             mask_lens=[[len(s.segments) for s in lay.shards] for lay in self._layouts],
-            codec=codec,
-            block=block,
-            topk_k=lambda n: ks.get(n, -1),
         )
         tp = None
         if self._world > 1:
@@ -248,7 +207,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not isinstance(tp, Transport):
                 raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
         self._engine = Engine(
-            params=params,
+            params=self._params,
             layouts=self._layouts,
             policy=self._policy,
             compressor=self._comp,
@@ -263,6 +222,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
             on_nonfinite=on_nonfinite,
         )
 
+    def _agreement_items(self, groups: list[int]) -> dict[str, list[str]]:
+        """What every rank must describe identically (see engine/agree.py)."""
+        return {
+            "parameters": [
+                f"{i} {self._names[i]} shape={tuple(p.shape)} dtype={p.dtype} group={groups[i]}"
+                for i, p in enumerate(self._params)
+            ],
+            "policy": [self._policy.spec()],
+            "compression": [self._comp.spec()],
+            "optimizer": self._rule.describe(),
+            "bucket layout": [lay.describe() for lay in self._layouts],
+            "device type": [self._params[0].device.type],
+        }
+
+    @torch.no_grad()
+    def _broadcast_initial(self) -> None:
+        """Same starting point everywhere (as DDP): rank 0's parameters, bucket by bucket."""
+        src = dist.get_global_rank(self._group, 0) if self._group is not None else 0
+        for lay in self._layouts:
+            ps = [self._params[p] for p in lay.params]
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            host = flat.cpu()  # gloo: host memory (a no-op copy on the CPU)
+            dist.broadcast(host, src=src, group=self._group)
+            flat.copy_(host)
+            for p, o, n in zip(ps, lay.offsets, lay.numels):
+                p.copy_(flat[o : o + n].view_as(p))
+
     # -- torch.optim.Optimizer interface ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -274,7 +260,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        self._require_engine().step()
+        self.engine.step()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -292,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients over several backward() calls without pushing; the buckets are pushed by
         the next backward outside the context or by step()."""
-        with self._require_engine().no_sync_ctx():
+        with self.engine.no_sync():
             yield
 
     # -- pyasync ------------------------------------------------------------------------------------
@@ -336,29 +322,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             clock is applied), and SSP/ASP do not aggregate, so there it is a plain barrier plus a
             few messages. save_checkpoint does the same.
         """
-        eng = self._require_engine()
-        eng.pause(True)
+        eng = self.engine
+        eng.pause()
         try:
             if self._world > 1:
                 dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
         finally:
-            self._resume()
+            eng.resume()
         if self._world > 1:
             dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
         eng.check()
 
-    def _resume(self) -> None:
-        """End a pause (barrier(), save_checkpoint): send RESUME and wait until this rank's owner has
-        processed every rank's RESUME. The caller then meets the other ranks once more, so that no
-        push of the next step reaches an owner that still counts its sender as paused."""
-        eng = self._require_engine()
-        eng.pause(False)
-        self._resumes += 1
-        eng.owner.wait_resumed(self._resumes, self._timeout, eng._err)
-
     def stats(self) -> Stats:
         """This rank's counters (see pyasync.Stats)."""
-        return self._require_engine().stats()
+        return self.engine.stats()
 
     def close(self) -> None:
         """Drain, keep serving slower ranks until every rank has closed, apply every outstanding push,
@@ -385,31 +362,59 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"pyasync: close() after {exc_type.__name__} failed too: {e}", RuntimeWarning, stacklevel=2
             )
 
-    def _require_engine(self) -> Engine:
+    @property
+    def engine(self) -> Engine:
+        """The engine behind this optimizer (pyasync/engine/engine.py): its narrow API (``snapshot``,
+        ``load``, ``drain``, ``pause``/``resume``, ``clock``) is what pyasync.checkpoint uses."""
         if self._engine is None:
             raise RuntimeError("the DistributedOptimizer was not fully constructed")
         return self._engine
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The process group the optimizer trains over (None: the default group)."""
+        return self._group
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The longest any wait of the optimizer may take."""
+        return self._timeout
+
+    @property
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of the trained parameters, each once, in the engine's order."""
+        return list(zip(self._names, self._params))
+
+    def describe(self) -> dict[str, Any]:
+        """What must match between a saving and a loading optimizer (JSON-able): parameters, buckets
+        (with their shard bounds) and the update rule."""
+        return {
+            "parameters": [
+                {"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+                for n, p in self.named_params
+            ],
+            "buckets": [
+                {
+                    "params": list(lay.params),
+                    "numel": lay.numel,
+                    "shard_bounds": [s.begin for s in lay.shards] + [lay.numel],
+                }
+                for lay in self._layouts
+            ],
+            "optimizer": list(self._rule.describe()),
+        }
+
+    @property
+    def fused_rule(self) -> bool:
+        """True when the owners apply SGD / Adam / AdamW with the fused kernels (re-shardable state)."""
+        return self._rule.fused
 
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's shard: master values, optimizer state, residuals and clocks (tensors only, plus
         plain numbers and strings), for pyasync's checkpoints. Call between steps."""
-        eng = self._require_engine()
-
-        def grab(ap):
-            out = {}
-            for b, s in ap.shards.items():
-                out[b] = {
-                    "master": s.master.clone(),
-                    "version": torch.tensor(s.version, dtype=torch.int64),
-                    "processed": torch.tensor(s.processed, dtype=torch.int64),
-                    "optim": {k: v.clone() for k, v in self._rule.state_tensors(s).items()},
-                }
-            return out
-
-        shards = {}
-        for part in eng.owner.call(grab, self._timeout):
-            shards.update(part)
+        eng = self.engine
+        shards = eng.snapshot()
         return {
             "format": 1,
             "rank": self._rank,
@@ -424,7 +429,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what state_dict() of the same rank returned (same world size, model and layout)."""
-        eng = self._require_engine()
+        eng = self.engine
         if not isinstance(state_dict, dict) or "shards" not in state_dict:
             raise TypeError("state_dict must be a dict returned by DistributedOptimizer.state_dict()")
         if state_dict.get("world_size") != self._world or state_dict.get("rank") != self._rank:
@@ -439,28 +444,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"state_dict holds shards of buckets {sorted(shards)}, this rank owns {sorted(owned)}"
             )
 
-        def put(ap):
-            for b, s in ap.shards.items():
-                d = shards[str(b)]
-                where = f"state_dict['shards']['{b}']"
-                if d["master"].numel() != s.master.numel():
-                    raise ValueError(
-                        f"{where}['master'] has {d['master'].numel()} elements, expected {s.master.numel()}"
-                    )
-                self._rule.load_state_tensors(s, d["optim"], where + "['optim']")
-                s.master.copy_(d["master"].reshape(-1))
-                # Versions and clocks count this engine's own traffic and are not restored.
-
-        eng.owner.call(put, self._timeout)
-        with torch.no_grad():  # this rank's own shards; the others come with the model's state_dict
-            for b, s in eng.owner.shards().items():
-                lay = self._layouts[b]
-                ops_bucketing.unflatten(
-                    s.master,
-                    [self._params[p].data for p in lay.params],
-                    lay.offsets,
-                    begin=lay.shards[self._rank].begin,
-                )
+        eng.load({int(b): d for b, d in shards.items()})
         if "residuals" in state_dict:
             self._comp.load_state_dict(state_dict["residuals"])
         for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):

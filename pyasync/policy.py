@@ -9,23 +9,30 @@ Vocabulary (see docs/architecture.md):
   ``w`` with clock ``<= c`` has been processed by the shard (applied, dropped or skipped), ``-1`` when
   none has. A closed worker has pushed everything it ever will.
 
-Each owner asks the policy three questions:
+Each policy picks the round machine its owners run (:meth:`Policy.round`, see pyasync/engine/round.py)
+and answers that machine's questions:
 
-* :meth:`Policy.answer_now` (SSP/ASP): may the push of clock ``t`` from a worker be answered with the
-  shard's current values? The worker waits for that answer, so this is where SSP's bound lives.
-* :meth:`Policy.update_ready` (BSP/Quorum): is the aggregate for the current clock/version complete?
-* :meth:`Policy.is_late` (Quorum): was a push computed on a superseded version?
+* SSP(s) and ASP run a :class:`~pyasync.engine.round.PushRound` (every push is its own update):
+  :meth:`answer_now` (may the push of clock ``t`` be answered with the shard's current values? The
+  worker waits for that answer, so this is where SSP's bound lives) and :meth:`lr_factor`.
+* BSP and Quorum(k) run an :class:`~pyasync.engine.round.AggregateRound` (one update from the mean of
+  several pushes): :meth:`update_ready` (is the aggregate complete?), :meth:`is_late` (was a push
+  computed on a superseded version?) and :attr:`folds_late` (is a late push added to the next update
+  rather than dropped?).
 
-The worker side needs only :attr:`Policy.worker_waits`; :meth:`Policy.may_start` states SSP's rule from
+The worker side needs only :attr:`Policy.worker_waits`; :meth:`SSP.may_start` states SSP's rule from
 the worker's point of view and is what the tests check the installed parameters against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Union
+
+from pyasync._validate import check_int
+from pyasync.engine.round import AggregateRound, PushRound, Round
 
 __all__ = ["ASP", "BSP", "SSP", "Policy", "Quorum", "parse_policy"]
 
@@ -36,9 +43,6 @@ class Policy:
     """Base class. Subclasses are small immutable dataclasses; ``spec()`` round-trips through
     :func:`parse_policy`."""
 
-    #: "each": every push is its own update, scaled by 1/n (SSP, ASP);
-    #: "aggregate": one update from the mean of several pushes (BSP, Quorum).
-    mode: str = "each"
     #: Whether ``step()`` waits for the owners' answers to its pushes.
     worker_waits: bool = True
 
@@ -50,35 +54,13 @@ class Policy:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
 
-    # -- owner side, mode "each" -------------------------------------------------------------------
-    def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
-        """May a worker's push of clock ``clock`` be answered with the current shard values?
-
-        ``included[w]``: highest clock of worker w fully processed by this shard (-1: none);
-        ``closed[w]``: worker w has closed (it will push nothing more)."""
-        raise NotImplementedError
-
-    def lr_factor(self, staleness: int) -> float:
-        """Factor on the learning rate of an update whose push is ``staleness`` versions old."""
-        return 1.0
-
-    # -- owner side, mode "aggregate" --------------------------------------------------------------
-    def quorum(self, world_size: int) -> int:
-        """Pushes that complete one aggregate update (all workers for BSP, k for Quorum)."""
-        return world_size
-
-    def update_ready(self, pushed: AbstractSet[int], closed: AbstractSet[int], world_size: int) -> bool:
-        """Is the aggregate complete, given the workers ``pushed`` that contributed a push to it and the
-        workers ``closed`` that will push nothing more?"""
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
+        """The state machine an owner runs for one shard (``n_segments`` parameters overlap it)."""
         raise NotImplementedError
 
     def divisor(self, world_size: int) -> int:
         """The mean's denominator: each push's gradient is scaled by 1 / divisor."""
         return world_size
-
-    def is_late(self, push_version: int, current_version: int) -> bool:
-        """Was this push computed on a version the shard has already moved past?"""
-        return False
 
     def __str__(self) -> str:
         return self.spec()
@@ -89,28 +71,63 @@ def _check_lr_scale(lr_scale: str | None) -> None:
         raise ValueError(f"lr_scale must be None or 'inverse', got {lr_scale!r}")
 
 
+class _PerPush(Policy):
+    """SSP and ASP: every push is applied on arrival as one update (gradient scaled by 1/n)."""
+
+    lr_scale: str | None = None
+
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
+        return PushRound(self, world_size, n_segments, name)
+
+    def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
+        """May a worker's push of clock ``clock`` be answered with the current shard values?
+
+        ``included[w]``: highest clock of worker w fully processed by this shard (-1: none);
+        ``closed[w]``: worker w has closed (it will push nothing more)."""
+        raise NotImplementedError
+
+    def lr_factor(self, staleness: int) -> float:
+        """Factor on the learning rate of an update whose push is ``staleness`` versions old:
+        1/max(1, staleness) with ``lr_scale="inverse"``, else 1."""
+        return 1.0 / max(1, staleness) if self.lr_scale == "inverse" else 1.0
+
+
+class _Aggregate(Policy):
+    """BSP and Quorum: one update per version from the mean of several pushes."""
+
+    #: A push computed on a superseded version is added to the next update (True) or dropped.
+    folds_late: bool = False
+
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
+        return AggregateRound(self, world_size, n_segments, name)
+
+    def update_ready(self, pushed: AbstractSet[int], absent: AbstractSet[int], world_size: int) -> bool:
+        """Is the aggregate complete, given the workers ``pushed`` that contributed a push to it and the
+        workers ``absent`` (closed, or paused in a barrier) that will push nothing for it?"""
+        raise NotImplementedError
+
+    def is_late(self, push_version: int, current_version: int) -> bool:
+        """Was this push computed on a version the shard has already moved past?"""
+        return False
+
+
 @dataclass(frozen=True)
-class BSP(Policy):
+class BSP(_Aggregate):
     """Bulk-synchronous: for every clock t each owner applies ONE update from the mean of all n
     workers' gradients of clock t, and a worker starts step t+1 only on parameters that include update t
     from every owner. Equal to DDP with the same optimizer, up to float rounding."""
 
-    mode = "aggregate"
-
     def spec(self) -> str:
         return "bsp"
 
-    def update_ready(self, pushed: AbstractSet[int], closed: AbstractSet[int], world_size: int) -> bool:
+    def update_ready(self, pushed: AbstractSet[int], absent: AbstractSet[int], world_size: int) -> bool:
         # Every worker that can still push has pushed; workers that closed early count as zeros in the
         # mean (the divisor stays n).
-        return bool(pushed) and all(w in pushed or w in closed for w in range(world_size))
-
-    def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
-        return SSP(0).answer_now(clock, included, closed)
+        return bool(pushed) and all(w in pushed or w in absent for w in range(world_size))
 
 
 @dataclass(frozen=True)
-class SSP(Policy):
+class SSP(_PerPush):
     """Stale-synchronous with bound ``staleness`` = s >= 0: every push is applied on arrival as one
     update (gradient scaled by 1/n); a worker may start step t only on parameters that include every
     worker's pushes of every clock <= t - s - 1. ``lr_scale="inverse"`` divides each update by
@@ -120,8 +137,7 @@ class SSP(Policy):
     lr_scale: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
-            raise ValueError(f"SSP staleness must be an int >= 0, got {self.staleness!r}")
+        check_int("SSP staleness", self.staleness, lo=0)
         _check_lr_scale(self.lr_scale)
 
     def spec(self) -> str:
@@ -138,12 +154,9 @@ class SSP(Policy):
         need = clock - self.staleness
         return all(done or c >= need for c, done in zip(included, closed))
 
-    def lr_factor(self, staleness: int) -> float:
-        return 1.0 / max(1, staleness) if self.lr_scale == "inverse" else 1.0
-
 
 @dataclass(frozen=True)
-class ASP(Policy):
+class ASP(_PerPush):
     """Asynchronous: every push is applied on arrival (gradient scaled by 1/n) and answered at once;
     a worker never waits, it installs whatever shard values have arrived."""
 
@@ -162,12 +175,9 @@ class ASP(Policy):
     def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
         return True
 
-    def lr_factor(self, staleness: int) -> float:
-        return 1.0 / max(1, staleness) if self.lr_scale == "inverse" else 1.0
-
 
 @dataclass(frozen=True)
-class Quorum(Policy):
+class Quorum(_Aggregate):
     """Backup workers: an owner applies one update for version v from the mean of the first k pushes
     computed on version v. Pushes computed on an older version are dropped and counted
     (``late="drop"``) or added to the next update with their staleness recorded (``late="fold"``).
@@ -176,13 +186,15 @@ class Quorum(Policy):
 
     k: int = 1
     late: str = "drop"
-    mode = "aggregate"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise ValueError(f"Quorum k must be an int >= 1, got {self.k!r}")
+        check_int("Quorum k", self.k, lo=1)
         if self.late not in ("drop", "fold"):
             raise ValueError(f"Quorum late must be 'drop' or 'fold', got {self.late!r}")
+
+    @property
+    def folds_late(self) -> bool:  # type: ignore[override]
+        return self.late == "fold"
 
     def spec(self) -> str:
         return f"quorum:{self.k}" + (":fold" if self.late == "fold" else "")
@@ -194,23 +206,17 @@ class Quorum(Policy):
                 f"Quorum k={self.k} exceeds the number of workers ({world_size}); use 1 <= k <= {world_size}"
             )
 
-    def quorum(self, world_size: int) -> int:
-        return min(self.k, world_size)
-
-    def update_ready(self, pushed: AbstractSet[int], closed: AbstractSet[int], world_size: int) -> bool:
-        # k pushes, or fewer when nobody else can push any more (workers closed): never stall.
+    def update_ready(self, pushed: AbstractSet[int], absent: AbstractSet[int], world_size: int) -> bool:
+        # k pushes, or fewer when nobody else can push any more (workers closed or paused): never stall.
         if len(pushed) >= min(self.k, world_size):
             return True
-        return bool(pushed) and all(w in pushed or w in closed for w in range(world_size))
+        return bool(pushed) and all(w in pushed or w in absent for w in range(world_size))
 
     def divisor(self, world_size: int) -> int:
         return min(self.k, world_size)
 
     def is_late(self, push_version: int, current_version: int) -> bool:
         return push_version < current_version
-
-    def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
-        return False  # answered when a newer version exists (see owner.py)
 
 
 PolicyLike = Union[Policy, str, None]  # noqa: UP007 - a runtime alias, kept readable on 3.10
@@ -246,8 +252,3 @@ def parse_policy(x: PolicyLike) -> Policy:
         f"'quorum:<k>' or 'quorum:<k>:fold'"
     )
 
-
-def min_included(included: Mapping[int, int] | Sequence[int]) -> int:
-    """The clock up to which every worker's pushes are included (-1: not every worker has one)."""
-    vals = list(included.values()) if isinstance(included, Mapping) else list(included)
-    return min(vals) if vals else -1

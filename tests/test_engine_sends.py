@@ -1,6 +1,7 @@
-"""Sends in flight stay bounded: gloo's send handles only report completion through wait(), so the
-engine must retire old sends by waiting on them, or every pushed/replied buffer stays pinned forever
-(a leak of a model's worth of bytes per step, and a rescan of an ever longer list after every message)."""
+"""Sends in flight stay bounded: gloo's send handles only report completion through wait(), so every
+send must be waited for exactly once, or every pushed/replied buffer stays pinned forever (a leak of a
+model's worth of bytes per step). Every send goes through a ring of reused frames (Note [Frame reuse]
+in pyasync/transport/frames.py): a frame is written again only after its previous send was waited for."""
 
 import datetime
 
@@ -8,13 +9,13 @@ import pytest
 import torch
 from _dist import multiproc, run_workers
 
-from pyasync.engine.owner import MAX_INFLIGHT, retire_sends
 from pyasync.transport.base import Handle
+from pyasync.transport.frames import FrameRing
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
-class NeverDone(Handle):
+class Recorded(Handle):
     """Like a gloo send handle: done() stays False; wait() records the order and the timeout."""
 
     def __init__(self, i, log, fail=False):
@@ -29,31 +30,27 @@ class NeverDone(Handle):
             raise TimeoutError(f"send {self.i} to rank 3 did not complete within {timeout}")
 
 
-def test_retire_waits_for_the_oldest_and_keeps_the_newest_half():
-    log, handles = [], []
-    for i in range(10 * MAX_INFLIGHT):
-        handles.append(NeverDone(i, log))
-        retire_sends(handles, TIMEOUT)
-        assert len(handles) <= MAX_INFLIGHT
-    waited = [i for i, _ in log]
-    assert waited == list(range(len(waited)))  # oldest first, each exactly once
+def test_a_ring_waits_for_each_frames_previous_send_exactly_once_before_reuse():
+    log = []
+    ring = FrameRing(16, torch.device("cpu"), count=2)
+    for i in range(10):
+        fr = ring.take(TIMEOUT)
+        assert fr is ring.frames[i % 2]  # the least recently used frame
+        fr.handle = Recorded(i, log)
+        in_flight = sum(f.handle is not None for f in ring.frames)
+        assert in_flight <= 2
+    assert [i for i, _ in log] == list(range(8))  # oldest first, each once, before its frame was reused
     assert all(t == TIMEOUT for _, t in log)
-    assert [h.i for h in handles] == list(range(waited[-1] + 1, 10 * MAX_INFLIGHT))
-    assert len(waited) + len(handles) == 10 * MAX_INFLIGHT  # nothing dropped without a wait
+    ring.drain(TIMEOUT)
+    assert [i for i, _ in log] == list(range(10)) and all(f.handle is None for f in ring.frames)
 
 
-def test_retire_leaves_a_short_list_alone():
-    log = []
-    handles = [NeverDone(i, log) for i in range(MAX_INFLIGHT)]
-    retire_sends(handles, TIMEOUT)
-    assert len(handles) == MAX_INFLIGHT and log == []
-
-
-def test_retire_raises_when_a_peer_stopped_receiving():
-    log = []
-    handles = [NeverDone(i, log, fail=(i == 0)) for i in range(MAX_INFLIGHT + 1)]
+def test_a_ring_raises_when_a_peer_stopped_receiving():
+    ring = FrameRing(16, torch.device("cpu"), count=2)
+    ring.take(TIMEOUT).handle = Recorded(0, [], fail=True)
+    ring.take(TIMEOUT).handle = Recorded(1, [])
     with pytest.raises(TimeoutError, match="rank 3"):
-        retire_sends(handles, TIMEOUT)
+        ring.take(TIMEOUT)
 
 
 def _many_steps(rank, world, policy):
@@ -71,28 +68,31 @@ def _many_steps(rank, world, policy):
         opt.zero_grad()
         model(x).square().sum().backward()
         opt.step()
-        eng = opt._engine
-        peak = max(peak, len(eng.handles), *(len(a.handles) for a in eng.owner.appliers))
+        eng = opt.engine
+        rings = [*eng.pusher.rings.values(), *eng.owner.rings.values()]
+        peak = max(peak, sum(f.handle is not None for r in rings for f in r.frames))
+        n_frames = sum(len(r.frames) for r in rings)
         if step in (20, 59):
-            allocated.append((eng.owner.push_pool.allocated, eng.reply_pool.allocated))
-    pools = (eng.owner.push_pool, eng.reply_pool)
-    allocated.append(tuple(x for p in pools for x in (p._free.qsize(), p.keep)))
-    n_buckets, n_shards = len(opt._engine.layouts), len(opt._engine.nonempty)
+            allocated.append((eng.owner.push_pool.allocated, eng.mailbox.pool.allocated))
+    pools = (eng.owner.push_pool, eng.mailbox.pool)
+    allocated.append(tuple(x for p in pools for x in (p.free(), p.keep)))
+    n_buckets = len(opt.bucket_layouts)
+    n_shards = sum(s.numel > 0 for lay in opt.bucket_layouts for s in lay.shards)
     stats = opt.stats()
     opt.close()
-    return peak, n_buckets, n_shards, stats.pushes_sent, allocated
+    return peak, n_frames, n_buckets, n_shards, stats.pushes_sent, allocated
 
 
 @multiproc
 @pytest.mark.parametrize("policy", ["bsp", "asp"])
 def test_engine_keeps_sends_in_flight_bounded(policy):
     res = run_workers(_many_steps, 3, args=(policy,), timeout=120)
-    for peak, n_buckets, n_shards, pushes, allocated in res:
+    for peak, n_frames, n_buckets, n_shards, pushes, allocated in res:
         assert n_buckets >= 1
         assert pushes == 60 * n_shards
-        assert 2 * pushes > 2 * MAX_INFLIGHT  # far more messages than the bound
-        # retired after each bucket / applier item: at most one item's sends (1 per remote peer) above
-        assert peak <= MAX_INFLIGHT + (3 - 1), peak
+        # Frames: two per remote push shard, per (own shard, remote worker) reply and per control peer.
+        assert n_frames <= 2 * (n_shards + n_buckets * (3 - 1) + (3 - 1)) < pushes, (n_frames, pushes)
+        assert peak <= n_frames
         # Receive buffers are recycled (Note [Frame reuse]): under BSP none is made after warm-up; under
         # ASP a backlog at an applier needs more for a while (how many depends on timing), but fewer
         # than the messages received, and the pools never keep more than their cap.

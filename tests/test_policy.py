@@ -42,18 +42,18 @@ def test_parse_rejects_other_types():
 
 
 @pytest.mark.parametrize(
-    "make, match",
+    "make, exc, match",
     [
-        (lambda: SSP(-1), "staleness"),
-        (lambda: SSP(1.5), "staleness"),
-        (lambda: SSP(True), "staleness"),
-        (lambda: Quorum(0), "k must"),
-        (lambda: Quorum(2, late="x"), "late"),
-        (lambda: ASP(lr_scale="sqrt"), "lr_scale"),
+        (lambda: SSP(-1), ValueError, "staleness"),
+        (lambda: SSP(1.5), TypeError, "staleness must be an int"),
+        (lambda: SSP(True), TypeError, "staleness must be an int"),
+        (lambda: Quorum(0), ValueError, "k must"),
+        (lambda: Quorum(2, late="x"), ValueError, "late"),
+        (lambda: ASP(lr_scale="sqrt"), ValueError, "lr_scale"),
     ],
 )
-def test_constructor_validation(make, match):
-    with pytest.raises(ValueError, match=match):
+def test_constructor_validation(make, exc, match):
+    with pytest.raises(exc, match=match):
         make()
 
 
@@ -99,7 +99,7 @@ def test_asp_never_waits():
 
 def test_bsp_update_ready_needs_every_live_worker():
     p = BSP()
-    assert p.mode == "aggregate" and p.divisor(4) == 4
+    assert p.divisor(4) == 4 and not p.folds_late and not p.is_late(0, 5)
     assert not p.update_ready({0, 1, 2}, set(), 4)
     assert p.update_ready({0, 1, 2, 3}, set(), 4)
     assert p.update_ready({0, 1, 2}, {3}, 4)  # 3 closed: counts as zeros

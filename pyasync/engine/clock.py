@@ -8,11 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from pyasync.engine.errors import EngineError
+
 __all__ = ["Deadline", "EngineError", "wait_until"]
-
-
-class EngineError(RuntimeError):
-    """A background thread of the engine failed; the message names the thread and the cause."""
 
 
 class Deadline:
@@ -25,9 +23,6 @@ class Deadline:
     def remaining(self) -> float:
         """Seconds left (>= 0)."""
         return max(0.0, self.end - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.end
 
 
 def wait_until(

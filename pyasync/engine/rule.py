@@ -19,32 +19,18 @@ __all__ = ["ShardState", "UpdateRule"]
 
 
 class ShardState:
-    """Everything an owner keeps for one shard it owns (touched only by that shard's applier)."""
+    """The optimizer state of one shard an owner keeps (touched only by that shard's applier thread).
+    The round's bookkeeping (versions, clocks, the aggregate's pushers) is the round machine's
+    (engine/round.py)."""
 
-    def __init__(self, layout, master: torch.Tensor, world_size: int) -> None:
+    def __init__(self, layout) -> None:
         self.layout = layout  # shards.ShardLayout
         self.bucket = layout.bucket
-        self.master = master  # fp32 values of the shard (numel,)
+        self.master: torch.Tensor | None = None  # fp32 values of the shard (numel,)
         self.state1: torch.Tensor | None = None  # SGD momentum / Adam exp_avg
         self.state2: torch.Tensor | None = None  # Adam exp_avg_sq
         self.steps = [0] * len(layout.segments)  # optimizer steps taken by each segment
         self.scratch: torch.Tensor | None = None  # decode / top-k scratch
-        self.version = 0  # updates applied
-        self.processed = [0] * world_size  # pushes processed per worker (= included clock + 1)
-        self.closed = [False] * world_size  # worker has closed
-        self.paused = [False] * world_size  # worker waits in a barrier (PAUSE .. RESUME): pushes nothing
-        self.pending: dict[int, int] = {}  # worker -> clock of the push waiting for an answer
-        # Aggregate modes (BSP, Quorum): the update being collected.
-        self.agg: torch.Tensor | None = None  # sum of decoded pushes / divisor
-        self.agg_mask = [False] * len(layout.segments)  # union of the pushes' has-grad masks
-        self.pushers: set[int] = set()  # workers that contributed a fresh push (finite or not)
-        self.agg_fresh = 0  # finite fresh pushes in agg
-        self.fold_stale: list[int] = []  # staleness of late pushes folded into agg
-        # Fresh pushes are summed into agg in rank order (Note [Rank-order sum] in owner.py):
-        self.agg_next = 0  # next worker rank to sum; every lower rank is summed or closed
-        # fresh pushes waiting for their turn: worker -> (payload, its receive buffer or None); None: non-finite
-        self.agg_held: dict[int, tuple[Payload, torch.Tensor | None] | None] = {}
-        self.finalized = False
         self.generic = None  # private torch optimizer (generic rule)
         self.generic_views: list[tuple[int, torch.Tensor]] = []
         self.generic_groups: list[int] = []
@@ -90,6 +76,13 @@ class UpdateRule:
         ]
 
     # ------------------------------------------------------------------------------------------
+    def new_state(self, layout, master: torch.Tensor) -> ShardState:
+        """Fresh optimizer state for a shard of ``layout`` starting from the fp32 values ``master``."""
+        s = ShardState(layout)
+        s.master = master
+        self.init_state(s)
+        return s
+
     def init_state(self, s: ShardState) -> None:
         if self.kind == "adam":
             s.state1 = torch.zeros_like(s.master)
@@ -147,14 +140,15 @@ class UpdateRule:
         lr_factor: float = 1.0,
     ) -> None:
         """One update of shard ``s`` from ``grad_scale * decode(payload)`` or ``dense``, on the segments
-        whose ``seg_mask`` entry is True (the others are not touched, not even by weight decay)."""
+        whose ``seg_mask`` entry is True (the others are not touched, not even by weight decay).
+        The payload is trusted: the engine's own encoder made it, or the wire validated it."""
         n = s.master.numel()
         runs = self.runs(s, seg_mask)
         if not runs:
             return
         whole = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == n
         if payload is not None and (not whole or not self.fused):
-            dense = ops_codecs.decode(payload, out=s.scratch_buf(), alpha=float(grad_scale))
+            dense = ops_codecs.decode(payload, out=s.scratch_buf(), alpha=float(grad_scale), validate=False)
             payload, grad_scale = None, 1.0
         if not self.fused:
             self._generic_apply(s, dense, seg_mask, lr_factor)
@@ -183,6 +177,7 @@ class UpdateRule:
                     momentum_buffer=s.state1[a:z] if momentum != 0.0 else None,
                     first_step=steps == 0,
                     scratch=scratch,
+                    validate=False,  # the engine's own tensors; payloads are checked where they come in
                 )
             else:
                 beta1, beta2 = grp["betas"]
@@ -203,6 +198,7 @@ class UpdateRule:
                     exp_avg=s.state1[a:z],
                     exp_avg_sq=s.state2[a:z],
                     scratch=scratch,
+                    validate=False,
                 )
             for i in idx:
                 s.steps[i] += 1

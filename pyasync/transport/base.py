@@ -4,10 +4,17 @@ A *flow* is one direction of one kind of traffic: "push" (worker -> owner: pushe
 "reply" (owner -> worker). Every engine message is one self-contained frame (header and payload in one
 buffer, see pyasync/engine/wire.py), so several threads may send on one flow at once. Messages
 between a pair of ranks on one flow *from one thread* arrive in the order they were sent; flows never
-mix. A flow has sub-flows (independent tags; the engine uses only sub-flow 0). A receive may be
+mix. A receive may be
 larger than the message it gets (the receiver posts its largest possible frame); the header says how
-many bytes are meaningful. Buffers are CPU tensors (the engine stages device tensors through host
-memory).
+many bytes are meaningful.
+
+The raw methods (``send``, ``recv``, ``recv_any``, ``close``) are what a transport implements. The
+staging methods (``frame_ring``, ``send_frame``, ``recv_pool``, ``land``) are what the engine calls:
+they own host staging and buffer reuse, so the engine never branches on the device. A transport whose
+raw methods take host buffers only (``host_buffers = True``, gloo) stages a device frame through pinned
+host memory before it sends, and hands received data to the device with ``land``; a transport that
+moves device memory itself (NCCL) sets ``host_buffers = False`` and stages nothing. See Note [Frame
+reuse] in pyasync/transport/frames.py.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import abc
 import datetime
 
 import torch
+
+from pyasync.transport.frames import FramePool, FrameRing, SendFrame
 
 __all__ = ["FLOWS", "Handle", "Transport"]
 
@@ -39,10 +48,12 @@ class Transport(abc.ABC):
 
     rank: int
     world_size: int
+    #: The raw methods take CPU tensors only: device frames are staged through pinned host memory.
+    host_buffers: bool = True
 
     @abc.abstractmethod
-    def send(self, buf: torch.Tensor, dst: int, flow: str, sub: int = 0) -> Handle:
-        """Start sending ``buf`` (contiguous CPU tensor) to rank ``dst`` on ``flow``, sub-flow ``sub``."""
+    def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
+        """Start sending ``buf`` (a contiguous CPU tensor when ``host_buffers``) to rank ``dst`` on ``flow``."""
 
     @abc.abstractmethod
     def recv(
@@ -50,11 +61,10 @@ class Transport(abc.ABC):
         buf: torch.Tensor,
         src: int,
         flow: str,
-        sub: int = 0,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        """Receive into ``buf`` (a message of at most its size) from rank ``src`` on ``flow``, sub-flow ``sub``; timeout
-        None: the transport's idle timeout."""
+        """Receive into ``buf`` (a message of at most its size) from rank ``src`` on ``flow``; timeout None:
+        the transport's idle timeout."""
 
     @abc.abstractmethod
     def recv_any(self, buf: torch.Tensor, flow: str) -> int:
@@ -64,3 +74,32 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
+
+    # -- staging and reuse (concrete; see the module docstring) ----------------------------------------
+    def frame_ring(self, nbytes: int, device: torch.device, count: int = 2) -> FrameRing:
+        """``count`` reusable send frames of ``nbytes`` on ``device`` (the engine's), used in turn."""
+        return FrameRing(nbytes, device, count)
+
+    def send_frame(self, frame: SendFrame, dst: int, flow: str) -> None:
+        """Send ``frame.buf`` to ``dst`` on ``flow``; its handle is kept in the frame (waited before the
+        frame is reused). A device frame is first copied to its pinned host twin when the transport
+        needs host buffers; the copy completes before the send starts."""
+        buf = frame.buf
+        if self.host_buffers and buf.device.type != "cpu":
+            if frame.host is None:
+                frame.host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+            frame.host.copy_(buf)  # synchronous: the device buffer may change right after
+            buf = frame.host
+        frame.handle = self.send(buf, dst, flow)
+
+    def recv_pool(self, nbytes: int, keep: int, device: torch.device) -> FramePool:
+        """A pool of receive buffers of ``nbytes`` for messages to the engine on ``device``."""
+        return FramePool(nbytes, keep, "cpu" if self.host_buffers else device)
+
+    def land(self, tensors: list[torch.Tensor | None], device: torch.device) -> tuple[list, bool]:
+        """``tensors`` (views into a received buffer) on ``device``: themselves when already there, else
+        copies. Returns (tensors, copied): when copied, the receive buffer is free again at once."""
+        if all(t is None or t.device == device for t in tensors):
+            return list(tensors), False
+        return [None if t is None else t.to(device) for t in tensors], True
+

@@ -85,12 +85,10 @@ class GlooTransport(Transport):
                 self._groups[name] = g
         self._closed = False
 
-    def _group(self, flow: str, sub: int = 0) -> tuple[dist.ProcessGroup, int]:
-        if sub < 0:
-            raise ValueError(f"sub-flow must be >= 0, got {sub}")
+    def _group(self, flow: str) -> tuple[dist.ProcessGroup, int]:
         if flow not in _TAGS:
             raise ValueError(f"unknown flow {flow!r}: expected one of {sorted(_TAGS)}")
-        return self._groups[flow], _TAGS[flow] + 64 * sub
+        return self._groups[flow], _TAGS[flow]
 
     # The ProcessGroup's own send/recv take group ranks and skip torch.distributed's per-call Python
     # checks (group lookup, rank translation, membership): this rank is always a member of its
@@ -103,8 +101,8 @@ class GlooTransport(Transport):
                 f"{buf.device} (contiguous={buf.is_contiguous()}): stage device tensors through the host"
             )
 
-    def send(self, buf: torch.Tensor, dst: int, flow: str, sub: int = 0) -> Handle:
-        g, tag = self._group(flow, sub)
+    def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
+        g, tag = self._group(flow)
         self._check_buf(buf)
         return _GlooHandle(g.send([buf], dst, tag), buf, dst, flow)
 
@@ -113,10 +111,9 @@ class GlooTransport(Transport):
         buf: torch.Tensor,
         src: int,
         flow: str,
-        sub: int = 0,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        g, tag = self._group(flow, sub)
+        g, tag = self._group(flow)
         self._check_buf(buf)
         work = g.recv([buf], src, tag)
         work.wait(timeout if timeout is not None else IDLE_TIMEOUT)

@@ -1,0 +1,88 @@
+"""Shared pieces of the checkpoint package: the format constants, the error type, argument checks and
+atomic file writes.
+
+Note [Checkpoint atomicity]
+Every file is written to a temporary name in the same directory, fsync'ed, then os.replace'd into
+place, and the directory is fsync'ed. Shard file names carry a fresh random save id, so a new save
+never overwrites the shard files that the current manifest names: until rank 0 replaces the manifest
+(after every rank reported its shard written, with its sha256), the previous checkpoint stays whole
+and loadable. Only after the new manifest is in place does rank 0 delete shard files it no longer
+names. A crash at any point leaves either the old or the new checkpoint, never a mix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from typing import Any
+
+import torch.distributed as dist
+
+from pyasync.optimizer import DistributedOptimizer
+
+FORMAT = "pyasync-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_RE = re.compile(r"^shard-[0-9a-f]{16}-r\d+-of-\d+\.pt$")
+TMP_PREFIX = ".pyasync-tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded (missing, truncated, corrupt, foreign, mismatched)."""
+
+
+def check_args(path: Any, opt: Any, what: str) -> str:
+    if not isinstance(opt, DistributedOptimizer):
+        raise TypeError(f"{what}: opt must be a pyasync.DistributedOptimizer, got {type(opt).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what}: path must be a str or os.PathLike directory, got {type(path).__name__}")
+    if opt.closed:
+        raise RuntimeError(
+            f"{what}: the DistributedOptimizer is closed; save or load before close() (a closed "
+            "optimizer's owner threads are stopped)"
+        )
+    return os.fspath(path)
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory fds: the rename itself is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temporary file in the same directory, fsync, os.replace,
+    fsync of the directory. See Note [Checkpoint atomicity]."""
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(d)
+
+
+def shard_name(save_id: str, rank: int, world: int) -> str:
+    return f"shard-{save_id}-r{rank}-of-{world}.pt"
+
+
+def global_src(opt: DistributedOptimizer) -> int:
+    return dist.get_global_rank(opt.process_group, 0) if opt.process_group is not None else 0
+
+

@@ -1,0 +1,187 @@
+"""Reading and checking a checkpoint before anything is loaded.
+
+Note [Checkpoint validation]
+Loading never unpickles: the manifest is JSON, shard files go through torch.load(weights_only=True)
+from the very bytes whose sha256 was checked. Each rank validates everything it will load (manifest
+format, world size, parameter names/shapes/dtypes, bucket layout, policy, compression, optimizer,
+checksum, shard structure and sizes) before touching the optimizer; the ranks then exchange an "ok"
+flag (all_gather on the optimizer's process group) and nothing is loaded unless every rank is ok.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from typing import Any
+
+import torch
+
+from pyasync.checkpoint.common import FORMAT, FORMAT_VERSION, MANIFEST, SHARD_RE, CheckpointError
+from pyasync.engine.shards import build_layout
+from pyasync.optimizer import DistributedOptimizer
+
+def read_manifest(d: str) -> dict[str, Any]:
+    mpath = os.path.join(d, MANIFEST)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: no such checkpoint directory")
+    if not os.path.isfile(mpath):
+        raise CheckpointError(
+            f"{mpath}: missing; {d} is not a (committed) pyasync checkpoint (the manifest is written last)"
+        )
+    try:
+        with open(mpath, "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: not valid JSON (truncated or not a pyasync manifest): {e}") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: not a pyasync checkpoint manifest (no \"format\": \"{FORMAT}\")")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{mpath}: format version {m.get('format_version')!r}, this pyasync reads {FORMAT_VERSION}"
+        )
+    for key, typ in (("world_size", int), ("shards", list), ("parameters", list), ("buckets", list)):
+        if not isinstance(m.get(key), typ):
+            raise CheckpointError(f"{mpath}: field {key!r} missing or not a {typ.__name__}")
+    return m
+
+
+def _strip_bounds(b: Any) -> Any:
+    return {k: v for k, v in b.items() if k != "shard_bounds"} if isinstance(b, dict) else b
+
+
+def compare(mpath: str, m: dict[str, Any], opt: DistributedOptimizer) -> None:
+    mine = opt.describe()
+    if m["world_size"] != opt.world_size:
+        if not opt.fused_rule:
+            raise CheckpointError(
+                f"{mpath}: saved by {m['world_size']} ranks, this run has {opt.world_size}; re-sharding to "
+                "another world size is supported for SGD, Adam and AdamW only (this optimizer runs "
+                "the generic rule)"
+            )
+        if not isinstance(m["world_size"], int) or m["world_size"] < 1:
+            raise CheckpointError(f"{mpath}: world_size {m['world_size']!r} is not a positive int")
+        # Re-sharding: the shard bounds differ by construction; the buckets themselves must not.
+        m = dict(m, buckets=[_strip_bounds(b) for b in m["buckets"]])
+        mine["buckets"] = [_strip_bounds(b) for b in mine["buckets"]]
+    for key in ("parameters", "buckets", "optimizer"):
+        a, b = m.get(key), mine[key]
+        if a != b:
+            where = ""
+            if isinstance(a, list):
+                i = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+                where = (
+                    f" at entry {i}: checkpoint has {a[i] if i < len(a) else '(nothing)'}, this optimizer "
+                    f"has {b[i] if i < len(b) else '(nothing)'}"
+                )
+            raise CheckpointError(
+                f"{mpath}: the {key} differ from this optimizer's{where}; build the same model, optimizer "
+                "and bucket_cap_mb as when saving"
+            )
+    for key, have in (("policy", opt.policy.spec()), ("compression", opt.compressor.spec())):
+        if m.get(key) != have:
+            raise CheckpointError(
+                f"{mpath}: saved with {key} {m.get(key)!r}, this optimizer uses {have!r}; use the same {key}"
+            )
+
+
+def _check_tensor(fpath: str, where: str, t: Any, numel: int | None, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.is_sparse:
+        got = getattr(t, "dtype", type(t).__name__)
+        raise CheckpointError(f"{fpath}: {where} must be a dense {dtype} tensor, got {got}")
+    if numel is not None and t.numel() != numel:
+        raise CheckpointError(f"{fpath}: {where} has {t.numel()} elements, expected {numel}")
+
+
+def check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, world: int, layouts) -> None:
+    """Everything DistributedOptimizer.load_state_dict will read (for shard ``rank`` of ``world`` of
+    ``layouts``), checked before it runs."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("shards"), dict):
+        raise CheckpointError(f"{fpath}: not a pyasync shard (no 'shards' dict)")
+    if sd.get("rank") != rank or sd.get("world_size") != world:
+        raise CheckpointError(
+            f"{fpath}: holds rank {sd.get('rank')} of {sd.get('world_size')}, expected rank {rank} of {world}"
+        )
+    owned = {str(b): lay.shards[rank] for b, lay in enumerate(layouts) if lay.shards[rank].numel > 0}
+    if set(sd["shards"]) != set(owned):
+        raise CheckpointError(
+            f"{fpath}: holds buckets {sorted(sd['shards'])}, this rank owns {sorted(owned)}"
+        )
+    for b, sh in owned.items():
+        d = sd["shards"][b]
+        w = f"shards[{b}]"
+        if not isinstance(d, dict) or not isinstance(d.get("optim"), dict):
+            raise CheckpointError(f"{fpath}: {w} is not a shard dict")
+        _check_tensor(fpath, f"{w}['master']", d.get("master"), sh.numel, torch.float32)
+        o = d["optim"]
+        _check_tensor(fpath, f"{w}['optim']['steps']", o.get("steps"), len(sh.segments), torch.int64)
+        for k, t in o.items():
+            if k in ("state1", "state2"):
+                _check_tensor(fpath, f"{w}['optim'][{k!r}]", t, sh.numel, torch.float32)
+            elif k != "steps" and not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{fpath}: {w}['optim'][{k!r}] is not a tensor")
+    res = sd.get("residuals", {})
+    if not isinstance(res, dict):
+        raise CheckpointError(f"{fpath}: 'residuals' is not a dict")
+    for k, t in res.items():
+        ok = (
+            isinstance(k, tuple)
+            and len(k) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
+            and 0 <= k[0] < len(layouts)
+            and 0 <= k[1] < world
+        )
+        if not ok:
+            raise CheckpointError(
+                f"{fpath}: residual key {k!r} is not a (bucket, shard) of this layout "
+                f"({len(layouts)} buckets, {world} shards each)"
+            )
+        _check_tensor(fpath, f"residuals[{k}]", t, layouts[k[0]].shards[k[1]].numel, torch.float32)
+        if not bool(torch.isfinite(t).all()):  # a compressor never keeps one (see compression.py)
+            raise CheckpointError(f"{fpath}: residuals[{k}] holds NaN or Inf")
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"{fpath}: expected {len(opt.param_groups)} param_groups")
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or set(g) != {k for k in opt.param_groups[i] if k != "params"}:
+            raise CheckpointError(f"{fpath}: param_groups[{i}] has different keys than this optimizer's")
+
+
+def read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer, world: int) -> dict:
+    """Rank ``rank``'s (of ``world``) shard file: size, sha256, weights_only load, structure."""
+    entry = next((s for s in m["shards"] if isinstance(s, dict) and s.get("rank") == rank), None)
+    if entry is None or not isinstance(entry.get("file"), str) or not SHARD_RE.match(entry["file"]):
+        raise CheckpointError(f"{mpath}: no valid shard entry for rank {rank}")
+    fpath = os.path.join(d, entry["file"])
+    try:
+        with open(fpath, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{fpath}: cannot read the shard file named by the manifest: {e}") from e
+    if len(data) != entry.get("bytes"):
+        raise CheckpointError(
+            f"{fpath}: {len(data)} bytes, the manifest says {entry.get('bytes')} (truncated or replaced)"
+        )
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise CheckpointError(f"{fpath}: sha256 checksum mismatch (the file is corrupt)")
+    try:
+        sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
+        raise CheckpointError(f"{fpath}: cannot be loaded with weights_only=True: {e}") from e
+    layouts = opt.bucket_layouts if world == opt.world_size else layouts_for(opt, world)
+    check_state(fpath, sd, opt, rank, world, layouts)
+    return sd
+
+
+def layouts_for(opt: DistributedOptimizer, world: int) -> list:
+    """This optimizer's buckets cut into ``world`` shards (the saving run's layout when re-sharding)."""
+    numels = [p.numel() for _, p in opt.named_params]
+    groups = [0] * len(numels)
+    for lay in opt.bucket_layouts:
+        for sh in lay.shards:
+            for seg in sh.segments:
+                groups[seg.param] = seg.group
+    return build_layout([lay.params for lay in opt.bucket_layouts], numels, groups, world)
+
+

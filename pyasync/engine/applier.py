@@ -1,0 +1,129 @@
+"""Appliers: the threads that own the shards of a rank. Each runs the round machine of its shards
+(engine/round.py) and carries out the actions it returns: decode, apply (engine/rule.py), answer.
+
+Bucket b is owned by applier b % A. An applier alone touches its shards' state, so the hot path takes
+no lock, and pushes to shards of different appliers never wait on each other. Its queue carries typed
+messages (engine/messages.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pyasync.engine import round as rnd
+from pyasync.engine.messages import Call, Close, Pause, Push, Result, Stop
+from pyasync.engine.rule import ShardState, UpdateRule
+from pyasync.engine.streams import used_here, wait_event
+from pyasync.ops import codecs as ops_codecs
+
+if TYPE_CHECKING:
+    from pyasync.engine.owner import Owner
+
+__all__ = ["Applier", "OwnedShard"]
+
+
+@dataclass
+class OwnedShard:
+    """One shard this rank owns: its round (policy bookkeeping) and its optimizer state."""
+
+    round: rnd.Round
+    state: ShardState
+    agg: torch.Tensor | None = None  # the aggregate being summed (aggregate rounds), zeroed after each update
+
+    @property
+    def bucket(self) -> int:
+        return self.state.bucket
+
+
+class Applier(threading.Thread):
+    """Applies the pushes of its shards, in arrival order per shard."""
+
+    def __init__(self, owner: Owner, index: int, rule: UpdateRule, world_size: int, divisor: int) -> None:
+        super().__init__(name=f"pyasync-applier-{index}", daemon=True)
+        self.owner = owner
+        self.rule = rule
+        self.n = world_size
+        self.divisor = divisor
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.shards: dict[int, OwnedShard] = {}
+        self.bytes_sent = 0  # reply bytes (headers included)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while True:
+                msg = self.q.get()
+                if isinstance(msg, Push):
+                    sh = self.shards[msg.bucket]
+                    self._do(sh, sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite,
+                                               msg.mask, msg))
+                    self.owner.progressed()
+                elif isinstance(msg, Close):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.close(msg.worker))
+                    self.owner.progressed()
+                elif isinstance(msg, Pause):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.pause(msg.worker, msg.on))
+                    if not msg.on:
+                        self.owner.resumed(msg.worker)
+                elif isinstance(msg, Call):
+                    try:
+                        msg.result.set(msg.fn(self))
+                    except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                        msg.result.fail(e)
+                elif isinstance(msg, Stop):
+                    self.owner.drain_sends(self, msg.timeout)
+                    return
+                else:
+                    raise TypeError(f"applier got an unknown message {type(msg).__name__}")
+        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+            self.owner.fail(f"applier thread {self.name}", e)
+
+    # -- actions ------------------------------------------------------------------------------------
+    def _do(self, sh: OwnedShard, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, rnd.Apply):
+                self._apply(sh, a.item, a.lr_factor)
+            elif isinstance(a, rnd.Sum):
+                self._sum(sh, a.item)
+            elif isinstance(a, rnd.Update):
+                self.rule.apply(sh.state, dense=sh.agg, seg_mask=list(a.mask))
+                sh.agg.zero_()
+            elif isinstance(a, rnd.Release):
+                self.owner.release(a.item)
+            elif isinstance(a, rnd.Answer):
+                self.owner.answer(self, sh, a.dests, a.final)
+            else:
+                raise TypeError(f"unknown round action {a!r}")
+
+    def _ready(self, sh: OwnedShard, push: Push) -> None:
+        """Order this thread's stream after the push's producer (a no-op on the CPU)."""
+        dev = sh.state.master.device
+        wait_event(push.event, dev)
+        used_here(push.payload.tensors(), dev)
+
+    def _apply(self, sh: OwnedShard, push: Push, lr_factor: float) -> None:
+        self._ready(sh, push)
+        self.rule.apply(sh.state, payload=push.payload, grad_scale=1.0 / self.n, seg_mask=list(push.mask),
+                        lr_factor=lr_factor)
+        self.owner.release(push)
+
+    def _sum(self, sh: OwnedShard, push: Push) -> None:
+        if sh.agg is None:
+            sh.agg = torch.zeros_like(sh.state.master)
+        self._ready(sh, push)
+        ops_codecs.decode(push.payload, out=sh.agg, alpha=1.0 / self.divisor, accumulate=True, validate=False)
+        self.owner.release(push)
+
+    # -- calls from other threads (run in this thread through Call) ---------------------------------
+    def call(self, fn: Any) -> Result:
+        """Queue ``fn(self)`` to run in this thread; returns its Result."""
+        res = Result()
+        self.q.put(Call(fn, res))
+        return res

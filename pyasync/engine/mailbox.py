@@ -1,0 +1,159 @@
+"""The worker's side of the replies: a receiver thread keeps the newest values of every shard in a
+mailbox; ``install`` copies them into the parameters at step boundaries.
+
+The mailbox holds at most one reply per shard (a newer version replaces an older one, whose receive
+buffer goes back to the pool unless ``install`` is reading it right now). It also records, per shard,
+the highest clock answered (what ``step()`` waits for) and the FINAL replies (what ``close()`` waits
+for). The caller's condition variable guards all of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from pyasync.engine import wire
+from pyasync.engine.messages import Reply
+from pyasync.engine.shards import BucketLayout
+from pyasync.engine.streams import used_here, wait_event
+from pyasync.ops import bucketing as ops_bucketing
+from pyasync.transport.base import Transport
+
+__all__ = ["Mailbox"]
+
+
+class Mailbox:
+    """Replies of the shards ``keys`` ((bucket, owner) with elements) for one worker."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        params: list[torch.Tensor],
+        layouts: list[BucketLayout],
+        keys: list[tuple[int, int]],
+        spec: wire.WireSpec,
+        transport: Transport | None,
+        cond: threading.Condition,
+        fail: Callable[[str, BaseException], None],
+    ) -> None:
+        self.rank = rank
+        self.params, self.layouts, self.keys = params, layouts, keys
+        self.spec, self.transport = spec, transport
+        self.cond, self.fail = cond, fail
+        self.device = params[0].device
+        self.box: dict[tuple[int, int], Reply] = {}
+        self.answered = {k: -1 for k in keys}  # highest clock answered per shard
+        self.finals: set[tuple[int, int]] = set()
+        self.installed_version = {k: 0 for k in keys}
+        self.installed_clocks = {k: [-1] * spec.world_size for k in keys}
+        self.reading: list[Reply] = []  # replies install() is reading (outside cond)
+        self.orphans: list[Reply] = []  # replies superseded while being read
+        self.bytes_received = 0
+        remote = {k for k in keys if k[1] != rank}
+        self.pool = (
+            transport.recv_pool(spec.max_reply_frame(), 2 * len(keys) + 2, self.device)
+            if transport is not None
+            else None
+        )
+        self.thread = (
+            threading.Thread(target=self._loop, args=(remote,), name="pyasync-worker-recv", daemon=True)
+            if remote
+            else None
+        )
+
+    def start(self) -> None:
+        if self.thread is not None:
+            self.thread.start()
+
+    # -- receiving ----------------------------------------------------------------------------------
+    def _release(self, rep: Reply) -> None:
+        """Give the buffer of a reply no longer in the box back to the pool, unless install() is reading
+        it right now (then install gives it back). Caller holds cond."""
+        if rep.frame is None:
+            return
+        if any(r is rep for r in self.reading):
+            self.orphans.append(rep)
+        else:
+            self.pool.put(rep.frame)
+
+    def deliver(self, rep: Reply) -> None:
+        """A reply arrived (receiver thread, or this rank's own appliers)."""
+        with self.cond:
+            key = (rep.bucket, rep.shard)
+            cur = self.box.get(key)
+            if rep.final or cur is None or rep.version >= cur.version:
+                self.box[key] = rep
+                if cur is not None:
+                    self._release(cur)
+            else:
+                self._release(rep)  # already superseded
+            self.answered[key] = max(self.answered[key], rep.clock)
+            if rep.final:
+                self.finals.add(key)
+            self.cond.notify_all()
+
+    def _loop(self, expected_finals: set) -> None:
+        try:
+            while expected_finals:
+                frame = self.pool.get()
+                src = self.transport.recv_any(frame, "reply")
+                h = wire.frame_header(frame, src)
+                self.spec.check_reply(h)
+                if self.layouts[h.bucket].shards[h.shard].numel == 0:
+                    raise wire.WireError(f"REPLY from rank {src} for the empty shard of bucket {h.bucket}")
+                self.bytes_received += wire.HEADER_BYTES + h.nbytes
+                values, clocks = wire.unpack_reply(wire.frame_body(frame, h), h)
+                self.deliver(Reply(h.bucket, h.shard, h.version, h.clock, values, clocks, h.final, frame))
+                if h.final:
+                    expected_finals.discard((h.bucket, h.shard))
+        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+            self.fail("worker reply receiver thread", e)
+
+    # -- queries (caller holds cond) ----------------------------------------------------------------
+    def all_answered(self, clock: int) -> bool:
+        return all(self.answered[k] >= clock for k in self.keys)
+
+    def unanswered(self, clock: int) -> list[tuple[int, int]]:
+        return [k for k in self.keys if self.answered[k] < clock]
+
+    def all_final(self) -> bool:
+        return len(self.finals) == len(self.keys)
+
+    def not_final(self) -> list[tuple[int, int]]:
+        return [k for k in self.keys if k not in self.finals]
+
+    def min_included_clock(self, clock: int) -> int:
+        with self.cond:
+            clocks = list(self.installed_clocks.values())
+        return min((min(c) for c in clocks), default=clock - 1)
+
+    # -- installing (training thread) ---------------------------------------------------------------
+    def install(self, final: bool = False) -> None:
+        """Install the newest values received for every shard (all of them when final)."""
+        with self.cond:
+            todo = [(k, rep) for k, rep in self.box.items() if final or rep.version != self.installed_version[k]]
+            self.reading = [rep for _, rep in todo]  # their buffers stay out of the pool meanwhile
+        try:
+            with torch.no_grad():
+                for (b, r), rep in todo:
+                    lay = self.layouts[b]
+                    wait_event(rep.event, self.device)
+                    used_here([rep.values], self.device)
+                    (values,), _ = (
+                        self.transport.land([rep.values], self.device) if self.transport is not None
+                        else ([rep.values], False)
+                    )
+                    ops_bucketing.unflatten(
+                        values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
+                    )
+                    self.installed_version[(b, r)] = rep.version
+                    self.installed_clocks[(b, r)] = list(rep.clocks)
+        finally:
+            with self.cond:
+                self.reading = []
+                for rep in self.orphans:
+                    self.pool.put(rep.frame)
+                self.orphans = []
