@@ -30,10 +30,13 @@ import common  # noqa: E402
 
 common.use_source_tree()
 
-from pyasync import experiments as h  # noqa: E402
-from pyasync.experiments import e2e as E  # noqa: E402
-from pyasync.experiments.report import plot_e2e  # noqa: E402
-from pyasync.experiments.workload import MODELS  # noqa: E402
+from harness import scenarios as S  # noqa: E402
+from harness import summary as E  # noqa: E402
+from harness.plots import plot_e2e  # noqa: E402
+from harness.train import calibrate_local, run_bench  # noqa: E402
+from harness.workload import MODELS, BenchConfig, parse_systems  # noqa: E402
+
+from pyasync.demo.local import WorkerError, progress_bar, start_store_server  # noqa: E402
 
 #: Budgets of --quick, in passes over the training set; the wide model runs only the equal scenario.
 QUICK_EPOCHS = {"mlp": 15, "wide": 3}
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="GBPS",
-        help="emulate a sending link of GBPS gigabits per second per worker (PYASYNC_LINK_GBPS)",
+        help="emulate a sending link of GBPS gigabits per second per worker",
     )
     p.add_argument(
         "--systems",
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
-        "--scenarios", default=None, help=f"comma list of {', '.join(E.SCENARIOS)} (default: all)"
+        "--scenarios", default=None, help=f"comma list of {', '.join(S.SCENARIOS)} (default: all)"
     )
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
     p.add_argument(
@@ -137,9 +140,9 @@ def hivemind_status() -> str | None:
     return None
 
 
-def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, E.Scenario]]:
+def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, S.Scenario]]:
     """(model, scenario) pairs in run order."""
-    scenarios = E.parse_scenarios(args.scenarios or ",".join(E.SCENARIOS), args.workers)
+    scenarios = S.parse_scenarios(args.scenarios or ",".join(S.SCENARIOS), args.workers)
     plan = []
     for m in models:
         for sc in scenarios:
@@ -172,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"--bandwidth must be a finite number > 0 of Gbit/s, got {args.bandwidth}")
     if args.compute_ms is not None and not args.compute_ms >= 0:
         raise ValueError(f"--compute-ms must be >= 0, got {args.compute_ms}")
-    systems = h.parse_systems(args.systems or E.default_systems(args.workers, args.quick), args.workers)
+    systems = parse_systems(args.systems or S.default_systems(args.workers, args.quick), args.workers)
     models = [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
@@ -187,9 +190,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     machine = common.machine_info()
     command = common.command_line()
 
-    from tqdm.auto import tqdm
-
-    store = h.start_store_server(args.timeout)
+    store = start_store_server(args.timeout)
     records: list[dict[str, Any]] = []
     compute_s: dict[str, float | None] = {}
     printed: set[str] = set()
@@ -199,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         spec = MODELS[model]
         epochs = args.epochs or (QUICK_EPOCHS[model] if args.quick else spec.epochs)
 
-        def config(system: h.SystemSpec) -> h.TrainConfig:
-            return h.TrainConfig(
+        def config(system) -> BenchConfig:
+            return BenchConfig(
                 system=system,
                 workers=args.workers,
                 model=model,
@@ -227,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             elif args.compute_ms is not None:
                 compute_s[model] = args.compute_ms / 1e3
             else:
-                per_rank = h.calibrate_local(
+                per_rank = calibrate_local(
                     config(systems[0]), store, prefix=f"cal-{model}/", run_timeout_s=args.run_timeout
                 )
                 compute_s[model] = statistics.median(per_rank)
@@ -260,28 +261,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 _write_json(json_path, records)
                 continue
             cfg = config(system)
-            budget = epochs * h.steps_per_epoch(
-                len(h.load_split(model, args.seed).x_train), args.workers, args.batch_size
-            ) * args.workers
-            bar = tqdm(
-                total=budget * args.batch_size,
-                desc=f"{model}/{sc.name}/{system.name}"[:40].rjust(40),
-                unit="sample",
-                unit_scale=True,
-                disable=args.no_progress,
-                leave=False,
-                file=sys.stderr,
-            )
-
-            def advance(samples: int, bar=bar) -> None:
-                bar.update(max(0, samples - bar.n))
-
+            total = cfg.budget(len(cfg.load_data().x_train)) * args.batch_size
+            desc = f"{model}/{sc.name}/{system.name}"[:40].rjust(40)
+            bar, advance = progress_bar(total, desc, disable=args.no_progress, leave=False)
             n_runs += 1
             try:
-                rec = h.run_local(
+                rec = run_bench(
                     cfg, store, prefix=f"e2e{n_runs}/", progress=advance, run_timeout_s=args.run_timeout
                 )
-            except h.WorkerError as e:
+            except WorkerError as e:
                 records.append({**base, "error": str(e)})
                 print(f"{model}/{sc.name}/{system.name}: FAILED: {e}", file=sys.stderr)
             else:

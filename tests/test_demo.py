@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyasync import demo
-from pyasync import experiments as h
-from pyasync.experiments.workload import _batches
+from pyasync import demo as h
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +137,7 @@ def test_steps_per_epoch():
 def test_batches_cover_the_shard_each_pass():
     x = torch.arange(10.0).reshape(10, 1)
     y = torch.arange(10)
-    it = _batches(x, y, steps=3, batch_size=3, seed=1, rank=0)
+    it = h.batches(x, y, steps=3, batch_size=3, seed=1, rank=0)
     first = [next(it) for _ in range(3)]
     second = [next(it) for _ in range(3)]
     for one_pass in (first, second):
@@ -227,7 +225,7 @@ def test_demo_ddp_and_pyasync(tmp_path):
     out = tmp_path / "out"
     table = tmp_path / "table.json"
     workers, epochs, batch = 2, 1, 32
-    records = demo.main(
+    records = h.main(
         [
             "--workers",
             str(workers),

@@ -7,14 +7,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
-from pyasync import experiments as h
-from pyasync.experiments import e2e as E
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # before the imports; spawned workers inherit sys.path
+from harness import scenarios as S  # noqa: E402
+from harness import summary as E  # noqa: E402
+from harness import workload as W  # noqa: E402
+from harness.slowdowns import transient_slow  # noqa: E402
+
+from pyasync import demo as h  # noqa: E402
 
 
 def _load_bench():
@@ -39,16 +44,16 @@ def _load_bench():
     ],
 )
 def test_parse_ddp_systems(token, compression, hook, rank):
-    spec = h.parse_system(token, workers=4)
+    spec = W.parse_system(token, workers=4)
     assert (spec.name, spec.policy, spec.compression, spec.kind) == (token, None, compression, "ddp")
     assert spec.is_ddp and not spec.is_pyasync and spec.synchronous
     assert spec.ddp_hook == hook and spec.powersgd_rank == rank
 
 
 def test_parse_hivemind_and_pyasync_kinds():
-    hm = h.parse_system("hivemind", 4)
+    hm = W.parse_system("hivemind", 4)
     assert hm.kind == "hivemind" and not hm.is_ddp and not hm.is_pyasync and not hm.synchronous
-    q = h.parse_system("quorum:3+topk:0.01", 4)
+    q = W.parse_system("quorum:3+topk:0.01", 4)
     assert q.kind == "pyasync" and q.is_pyasync and q.ddp_hook is None and q.powersgd_rank is None
 
 
@@ -66,13 +71,13 @@ def test_parse_hivemind_and_pyasync_kinds():
 )
 def test_parse_bad_systems(token, message):
     with pytest.raises(ValueError, match=message) as e:
-        h.parse_system(token, workers=4)
+        W.parse_system(token, workers=4)
     assert str(e.value).startswith(f"system {token!r}: ")
 
 
 def test_default_systems_cover_every_kind():
     for quick in (False, True):
-        specs = h.parse_systems(E.default_systems(4, quick=quick), 4)
+        specs = W.parse_systems(S.default_systems(4, quick=quick), 4)
         names = [s.name for s in specs]
         assert {"ddp", "ddp+fp16", "ddp+powersgd", "hivemind"} <= set(names)
         policies = {s.policy.split(":")[0] for s in specs if s.is_pyasync}
@@ -80,7 +85,7 @@ def test_default_systems_cover_every_kind():
         codecs = {(s.compression or "none").split(":")[0] for s in specs if s.is_pyasync}
         assert codecs == {"none", "int8", "topk"}
         assert "quorum:3" in {s.policy for s in specs if s.is_pyasync}
-    assert len(h.parse_systems(E.default_systems(4), 4)) == 16  # 3 DDP + 4 policies x 3 + hivemind
+    assert len(W.parse_systems(S.default_systems(4), 4)) == 16  # 3 DDP + 4 policies x 3 + hivemind
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,33 +94,33 @@ def test_default_systems_cover_every_kind():
 
 
 def test_scenarios():
-    eq, slow, tr = E.parse_scenarios("equal, slow2x,TRANSIENT", 4)
+    eq, slow, tr = S.parse_scenarios("equal, slow2x,TRANSIENT", 4)
     assert (eq.straggler, eq.transient) == (None, None)
     assert slow.straggler == (3, 2.0) and slow.transient is None
     assert tr.straggler is None and tr.transient == (0.1, 5.0)
     with pytest.raises(ValueError, match="unknown scenario 'slow3x'"):
-        E.parse_scenarios("slow3x", 4)
+        S.parse_scenarios("slow3x", 4)
     with pytest.raises(ValueError, match="unique"):
-        E.parse_scenarios("equal,equal", 4)
+        S.parse_scenarios("equal,equal", 4)
     with pytest.raises(ValueError, match="at least one"):
-        E.parse_scenarios(" ,", 4)
+        S.parse_scenarios(" ,", 4)
 
 
 def test_transient_draws_are_a_function_of_seed_rank_step():
-    draws = [[h.transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
-    again = [[h.transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
+    draws = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
+    again = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
     assert draws == again  # what every system of a run sees
     for r in range(4):
         assert 0.07 < sum(draws[r]) / 2000 < 0.13  # probability 0.1
     assert len({tuple(d) for d in draws}) == 4  # ranks draw independently
-    other_seed = [h.transient_slow(1, 0, k, 0.1) for k in range(2000)]
+    other_seed = [transient_slow(1, 0, k, 0.1) for k in range(2000)]
     assert other_seed != draws[0]
-    assert not any(h.transient_slow(0, 0, k, 0.0) for k in range(100))
-    assert all(h.transient_slow(0, 0, k, 1.0) for k in range(100))
+    assert not any(transient_slow(0, 0, k, 0.0) for k in range(100))
+    assert all(transient_slow(0, 0, k, 1.0) for k in range(100))
 
 
 def test_train_config_checks_new_fields():
-    spec = h.parse_system("ddp", 2)
+    spec = W.parse_system("ddp", 2)
     for kw, name in [
         ({"model": "cnn"}, "model must be one of"),
         ({"transient": (1.5, 5.0)}, "transient"),
@@ -125,15 +130,15 @@ def test_train_config_checks_new_fields():
         ({"bandwidth_gbps": 0.0}, "bandwidth_gbps"),
     ]:
         with pytest.raises(ValueError, match=name):
-            h.TrainConfig(**{"system": spec, "workers": 2, **kw})
+            W.BenchConfig(**{"system": spec, "workers": 2, **kw})
 
 
 def test_teacher_split_is_fixed_and_learnable_in_shape():
-    a, b = h.load_teacher_split(0), h.load_teacher_split(0)
+    a, b = W.load_teacher_split(0), W.load_teacher_split(0)
     assert a.x_train.shape == (8192, 256) and a.x_test.shape == (2048, 256)
     assert a.x_train.equal(b.x_train) and a.y_test.equal(b.y_test)
     assert set(a.y_train.tolist()) == set(range(10))
-    assert not h.load_teacher_split(1).y_train.equal(a.y_train)
+    assert not W.load_teacher_split(1).y_train.equal(a.y_train)
     n = sum(p.numel() for p in h.make_model(2048, 0, 256).parameters())
     assert 4_000_000 < n < 5_000_000  # the "wide" model: a few million parameters
 
@@ -276,7 +281,7 @@ def test_e2e_tiny_run(tmp_path):
         assert r["machine"]["torch"] and r["command"]
         # Every rank's k-th step is slow in every system alike (drawn from (seed, rank, k)).
         expect = [
-            sum(h.transient_slow(0, rank, k, 0.1) for k in range(n))
+            sum(transient_slow(0, rank, k, 0.1) for k in range(n))
             for rank, n in enumerate(r["steps_per_rank"])
         ]
         assert r["transient"]["slow_steps_per_rank"] == expect

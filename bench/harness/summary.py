@@ -1,5 +1,5 @@
-"""The end-to-end benchmark's pieces (``python bench/e2e.py``): scenarios, system lists, time to target,
-ratios against DDP and the summary table. docs/benchmarks.md describes the benchmark.
+"""The end-to-end benchmark's summary (``python bench/e2e.py``): targets, time to target, ratios against DDP
+and the summary table. docs/benchmarks.md describes the benchmark.
 
 Note [Time to target]
     Rank 0 snapshots its parameters every ``eval_every`` of its steps (about ``eval_points`` times per
@@ -12,74 +12,10 @@ Note [Time to target]
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "SCENARIOS",
-    "Scenario",
-    "add_ratios",
-    "default_systems",
-    "format_summary",
-    "parse_scenarios",
-    "parse_targets",
-    "time_to_target",
-]
-
-#: Scenario names, in the order the benchmark runs them.
-SCENARIOS = ("equal", "slow2x", "transient")
-
-#: The transient scenario: each step of each rank is 5x slower with probability 0.1.
-TRANSIENT = (0.1, 5.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """How the workers are slowed down; the same for every system of a run."""
-
-    name: str  # one of SCENARIOS
-    straggler: tuple[int, float] | None  # (rank, factor): that rank's steps take factor x C
-    transient: tuple[float, float] | None  # (prob, factor): any step of any rank, see workload.py
-    about: str  # one line, for tables and plots
-
-
-def scenario(name: str, workers: int) -> Scenario:
-    """The scenario ``name`` for ``workers`` ranks; the persistent straggler is the last rank."""
-    if name == "equal":
-        return Scenario(name, None, None, "all workers at equal speed")
-    if name == "slow2x":
-        return Scenario(name, (workers - 1, 2.0), None, f"rank {workers - 1} persistently 2x slower")
-    if name == "transient":
-        prob, factor = TRANSIENT
-        return Scenario(
-            name, None, TRANSIENT, f"each step of each worker {factor:g}x slower with probability {prob:g}"
-        )
-    raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
-
-
-def parse_scenarios(text: str, workers: int) -> list[Scenario]:
-    """A comma-separated list of scenario names (unique, at least one)."""
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if not names:
-        raise ValueError(f"--scenarios: give at least one of {', '.join(SCENARIOS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--scenarios: names must be unique, got {names}")
-    return [scenario(n, workers) for n in names]
-
-
-def default_systems(workers: int, quick: bool = False) -> str:
-    """The systems the benchmark runs by default, as a comma list of system names.
-
-    Full: DDP with its three hooks; BSP, SSP(2), ASP and Quorum(n-1), each without compression, with
-    int8 and with top-k 1%; hivemind. Quick: still every kind (each DDP hook, each policy, each
-    compression, hivemind), but each policy with one compression.
-    """
-    q = f"quorum:{max(1, workers - 1)}"
-    if quick:
-        return f"ddp,ddp+fp16,ddp+powersgd,bsp,ssp:2+int8,asp+topk:0.01,{q},hivemind"
-    pyasync = [f"{p}{c}" for p in ("bsp", "ssp:2", "asp", q) for c in ("", "+int8", "+topk:0.01")]
-    return ",".join(["ddp", "ddp+fp16", "ddp+powersgd", *pyasync, "hivemind"])
+__all__ = ["add_ratios", "format_summary", "parse_targets", "time_to_target"]
 
 
 def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
@@ -171,9 +107,11 @@ def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
     """The summary table: one row per run; ratios against DDP in the same model and scenario."""
     head = [title for _, title, _ in _SUMMARY]
     rows = [[_cell(r, k, fmt) for k, _, fmt in _SUMMARY] for r in records]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
