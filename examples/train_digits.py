@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from pyasync import demo as h
-from pyasync.demo.cli import train_config
+from pyasync.demo.cli import add_device_option, check_device_ms, train_config
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="fixed delay per straggler step (ms) instead of FACTOR x its measured compute time",
     )
+    add_device_option(p)
     p.add_argument("--epochs", type=int, default=20, help="total work in passes over the training set")
     p.add_argument(
         "--batch-size", type=int, default=h.TrainConfig.batch_size, help="samples per step per rank"
@@ -60,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="rank 0 writes its result record to this path")
     args = p.parse_args(argv)
 
+    check_device_ms(args)
     store, rank, world = h.store_from_env(args.timeout)
     delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
     system, straggler = h.parse_system(args.policy, world), h.parse_straggler(args.straggler, world)

@@ -106,6 +106,34 @@ def test_scenarios():
         S.parse_scenarios(" ,", 4)
 
 
+@pytest.mark.parametrize(
+    "workers, speeds",
+    [
+        (2, (1, 2)),
+        (3, (1, 1, 2)),
+        (4, (1, 1, 1.5, 2)),
+        (5, (1, 1, 1, 1.5, 2)),
+        (6, (1, 1, 1, 1.5, 1.75, 2)),
+        (8, (1, 1, 1, 1, 1.5, 1.5 + 0.5 / 3, 1.5 + 1 / 3, 2)),
+    ],
+)
+def test_hetero_speeds(workers, speeds):
+    assert S.hetero_speeds(workers) == pytest.approx(speeds, abs=1e-12)
+    (het,) = S.parse_scenarios("hetero", workers)
+    assert het.speeds == S.hetero_speeds(workers) and het.straggler is None and het.transient is None
+    assert "2x as long" in het.about
+
+
+def test_hetero_needs_two_workers_and_defaults_depend_on_the_device():
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        S.hetero_speeds(1)
+    bench = _load_bench()
+    plan = bench._plan(bench.build_parser().parse_args(["--out", "x"]), ["mlp"])
+    assert [sc.name for _, sc in plan] == ["equal", "slow2x", "transient"]  # as before --device-ms
+    plan = bench._plan(bench.build_parser().parse_args(["--out", "x", "--device-ms", "20"]), ["mlp"])
+    assert [sc.name for _, sc in plan] == ["equal", "slow2x", "hetero", "transient"]
+
+
 def test_transient_draws_are_a_function_of_seed_rank_step():
     draws = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
     again = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
@@ -128,6 +156,11 @@ def test_train_config_checks_new_fields():
         ({"compute_s": -1.0}, "compute_s"),
         ({"powersgd_warmup": 1}, "powersgd_warmup"),
         ({"bandwidth_gbps": 0.0}, "bandwidth_gbps"),
+        ({"speeds": (1.0,)}, "speeds must give a finite factor >= 1 for each of the 2 workers"),
+        ({"speeds": (1.0, 0.5)}, "speeds must give"),
+        ({"speeds": (1.0, float("inf"))}, "speeds must give"),
+        ({"device_ms": 10.0, "compute_s": 0.01}, "compute_s is C of the CPU-only mode"),
+        ({"device_ms": 0.0}, "device_ms must be a finite number > 0"),
     ]:
         with pytest.raises(ValueError, match=name):
             W.BenchConfig(**{"system": spec, "workers": 2, **kw})
@@ -183,6 +216,19 @@ def test_add_ratios_compares_within_model_scenario_and_link():
     table = E.format_summary(recs).splitlines()
     assert table[0].split()[:3] == ["model", "scenario", "system"]
     assert "skipped" in table[-1] and "1.50" in table[3]
+    assert "device" not in table[0]
+    table = E.format_summary([{**r, "device_ms": 20.0} for r in recs]).splitlines()
+    assert table[0].split()[-2:] == ["device", "ms"] and all(row.endswith(" 20") for row in table[2:])
+
+
+def test_add_ratios_keeps_device_modes_apart():
+    recs = [
+        {"system": "ddp", "model": "mlp", "scenario": "equal", "samples_per_s": 100.0, "device_ms": None},
+        {"system": "ddp", "model": "mlp", "scenario": "equal", "samples_per_s": 50.0, "device_ms": 20.0},
+        {"system": "asp", "model": "mlp", "scenario": "equal", "samples_per_s": 75.0, "device_ms": 20.0},
+    ]
+    E.add_ratios(recs)
+    assert [r["samples_per_s_vs_ddp"] for r in recs] == [1.0, 1.0, 1.5]
 
 
 def test_parse_targets():
@@ -203,6 +249,9 @@ def test_bench_rejects_bad_options(tmp_path):
         (["--scenarios", "slow3x"], "unknown scenario"),
         (["--bandwidth", "0"], "--bandwidth"),
         (["--workers", "1"], "--workers"),
+        (["--device-ms", "0"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "inf"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "20", "--compute-ms", "5"], "--compute-ms sets C of the CPU-only mode"),
     ]:
         with pytest.raises(ValueError, match=message):
             bench.main(["--out", str(tmp_path), *argv])
@@ -224,6 +273,7 @@ REQUIRED = (
     "final_acc",
     "bytes_per_step",
     "bandwidth_gbps",
+    "device_ms",
 )
 
 
@@ -285,6 +335,9 @@ def test_e2e_tiny_run(tmp_path):
             for rank, n in enumerate(r["steps_per_rank"])
         ]
         assert r["transient"]["slow_steps_per_rank"] == expect
+        # CPU-only mode, as before --device-ms: only the slow steps sleep, (5 - 1) x C each.
+        assert r["device_ms"] is None and r["speeds"] is None
+        assert r["sleep_s_per_rank"] == pytest.approx([4e-3 * n for n in expect], rel=1e-9)
     ddp, fp16, ssp, hm = saved
     assert ddp["samples_per_s_vs_ddp"] == 1.0 and ddp["time_to_target_vs_ddp"] == 1.0
     assert fp16["samples_per_s_vs_ddp"] == pytest.approx(fp16["samples_per_s"] / ddp["samples_per_s"])
@@ -303,3 +356,42 @@ def test_e2e_tiny_run(tmp_path):
         assert hm["skipped"] is True and "hivemind is not importable" in hm["note"]
         assert hm["samples_per_s"] is None and hm["bandwidth_gbps"] == 4.0
     assert all(math.isfinite(r["samples_per_s"]) for r in ran)
+
+
+@pytest.mark.multiproc
+def test_e2e_emulated_device(tmp_path):
+    # --device-ms D: every step sleeps D times its rank's factor (2x straggler: 2D; hetero: 1D and 2D
+    # with 2 workers), a transient slow step 5D; C is neither calibrated nor used. ASP lets ranks take
+    # different numbers of steps, so the sleep totals show the sleep is applied per step taken.
+    bench = _load_bench()
+    workers, device_ms = 2, 2.0
+    d = device_ms / 1e3
+    records = bench.main(
+        [
+            *("--out", str(tmp_path / "out"), "--workers", str(workers), "--epochs", "1"),
+            *("--batch-size", "32", "--systems", "asp", "--scenarios", "slow2x,hetero,transient"),
+            *("--models", "mlp", "--device-ms", str(device_ms), "--eval-points", "5", "--no-progress"),
+        ]
+    )
+    saved = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    assert [r["scenario"] for r in saved] == ["slow2x", "hetero", "transient"]
+    assert len(records) == len(saved)
+    for r in saved:
+        assert list(r)[: len(REQUIRED)] == list(REQUIRED)
+        assert r["device_ms"] == device_ms and not r.get("error") and r["replicas_equal"] is True
+        assert r["compute_s"] is None and r["compute_s_per_rank"] is None
+        assert sum(r["steps_per_rank"]) == r["config"]["budget_steps"]
+    slow, het, tr = saved
+    steps = slow["steps_per_rank"]
+    assert slow["straggler"] == {"rank": 1, "factor": 2.0, "delay_s": pytest.approx(d)}
+    assert slow["sleep_s_per_rank"] == pytest.approx([steps[0] * d, steps[1] * 2 * d], rel=1e-9)
+    steps = het["steps_per_rank"]
+    assert het["speeds"] == [1.0, 2.0] and het["straggler"] is None
+    assert het["sleep_s_per_rank"] == pytest.approx([steps[0] * d, steps[1] * 2 * d], rel=1e-9)
+    slow_steps = [
+        sum(transient_slow(0, rank, k, 0.1) for k in range(n)) for rank, n in enumerate(tr["steps_per_rank"])
+    ]
+    assert tr["transient"]["slow_steps_per_rank"] == slow_steps and sum(slow_steps) > 0
+    assert tr["transient"]["delay_s"] == pytest.approx(4 * d)  # a slow step sleeps 5D instead of D
+    expect = [(n + 4 * k) * d for n, k in zip(tr["steps_per_rank"], slow_steps, strict=True)]
+    assert tr["sleep_s_per_rank"] == pytest.approx(expect, rel=1e-9)

@@ -39,6 +39,8 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
         scenarios = list(dict.fromkeys(r["scenario"] for r in mine))
         bw = mine[0].get("bandwidth_gbps")
         link = f", link {bw:g} Gbit/s" if bw else ""
+        device = mine[0].get("device_ms")
+        link += f", emulated device {device:g} ms/step" if device else ""
         n = len(scenarios)
 
         fig, axes = plt.subplots(

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
-__all__ = ["SCENARIOS", "TRANSIENT", "Scenario", "default_systems", "parse_scenarios", "scenario"]
+__all__ = [
+    "DEFAULT_SCENARIOS",
+    "DEVICE_SCENARIOS",
+    "SCENARIOS",
+    "TRANSIENT",
+    "Scenario",
+    "default_systems",
+    "hetero_speeds",
+    "parse_scenarios",
+    "scenario",
+]
 
-#: Scenario names, in the order the benchmark runs them.
-SCENARIOS = ("equal", "slow2x", "transient")
+#: Scenario names.
+SCENARIOS = ("equal", "slow2x", "transient", "hetero")
+
+#: The scenarios the benchmark runs by default, in this order; with an emulated device (--device-ms),
+#: DEVICE_SCENARIOS.
+DEFAULT_SCENARIOS = ("equal", "slow2x", "transient")
+DEVICE_SCENARIOS = ("equal", "slow2x", "hetero", "transient")
 
 #: The transient scenario: each step of each rank is 5x slower with probability 0.1.
 TRANSIENT = (0.1, 5.0)
@@ -21,6 +37,19 @@ class Scenario:
     straggler: tuple[int, float] | None  # (rank, factor): that rank's steps take factor x C
     transient: tuple[float, float] | None  # (prob, factor): any step of any rank, see slowdowns.py
     about: str  # one line, for tables and plots
+    speeds: tuple[float, ...] | None = None  # slowdown factor of each rank, see Note [Rank speeds]
+
+
+def hetero_speeds(workers: int) -> tuple[float, ...]:
+    """The ``hetero`` scenario's slowdown factor of each rank: the first ``ceil(n / 2)`` ranks at full
+    speed (1), the others spread evenly from 1.5 to 2 (the slowest, the last rank, at 2; a single slow
+    rank is at 2). Four workers: (1, 1, 1.5, 2); two: (1, 2); six: (1, 1, 1, 1.5, 1.75, 2)."""
+    if workers < 2:
+        raise ValueError(f"the hetero scenario needs at least 2 workers, got {workers}")
+    fast = math.ceil(workers / 2)
+    slow = workers - fast
+    spread = [2.0] if slow == 1 else [1.5 + 0.5 * i / (slow - 1) for i in range(slow)]
+    return (1.0,) * fast + tuple(spread)
 
 
 def scenario(name: str, workers: int) -> Scenario:
@@ -34,6 +63,11 @@ def scenario(name: str, workers: int) -> Scenario:
         return Scenario(
             name, None, TRANSIENT, f"each step of each worker {factor:g}x slower with probability {prob:g}"
         )
+    if name == "hetero":
+        speeds = hetero_speeds(workers)
+        factors = "x, ".join(f"{f:g}" for f in speeds)
+        about = f"steps of ranks 0..{workers - 1} take {factors}x as long"
+        return Scenario(name, None, None, about, speeds)
     raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
 
 

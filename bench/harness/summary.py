@@ -56,13 +56,13 @@ def time_to_target(curve: Sequence[Mapping[str, float]], target: float) -> float
 
 
 def _group(r: Mapping[str, Any]) -> tuple:
-    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"))
+    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"), r.get("device_ms"))
 
 
 def add_ratios(records: Sequence[dict[str, Any]], baseline: str = "ddp") -> None:
     """Set ``samples_per_s_vs_ddp`` and ``time_to_target_vs_ddp`` on every record (in place): the
-    record's samples/s and time to target over those of ``baseline`` in the same model, scenario and
-    bandwidth, measured in the same invocation. None where either side is missing."""
+    record's samples/s and time to target over those of ``baseline`` in the same model, scenario,
+    bandwidth and emulated device time, measured in the same invocation. None where either side is missing."""
     base = {_group(r): r for r in records if r.get("system") == baseline and not r.get("skipped")}
     for r in records:
         b = base.get(_group(r))
@@ -87,10 +87,15 @@ _SUMMARY = (
     ("pushes_dropped", "dropped", "{}"),
 )
 
+#: The emulated device's time per step, a column when some record has one.
+_DEVICE = ("device_ms", "device ms", "{:g}")
+
 
 def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
     if key in ("model", "scenario", "system"):
         return str(r.get(key))
+    if key == "device_ms":  # a property of the run: shown for skipped and failed runs too
+        return "-" if r.get(key) is None else fmt.format(r[key])
     if r.get("skipped"):
         return "skipped" if key == "samples_per_s" else "-"
     if r.get("error"):
@@ -104,9 +109,13 @@ def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
 
 
 def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
-    """The summary table: one row per run; ratios against DDP in the same model and scenario."""
-    head = [title for _, title, _ in _SUMMARY]
-    rows = [[_cell(r, k, fmt) for k, _, fmt in _SUMMARY] for r in records]
+    """The summary table: one row per run; ratios against DDP in the same model and scenario. A last
+    column gives the emulated device's ms per step when some record has one."""
+    columns = _SUMMARY
+    if any(r.get("device_ms") is not None for r in records):
+        columns = (*columns, _DEVICE)
+    head = [title for _, title, _ in columns]
+    rows = [[_cell(r, k, fmt) for k, _, fmt in columns] for r in records]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:

@@ -119,8 +119,9 @@ def bench_worker(
     systems, slowdowns and link; rank 0 returns the record (None elsewhere).
 
     The record is the demo's (``pyasync.demo.record.make_record``) plus ``model``, ``transient`` (prob,
-    factor, ``delay_s``, ``slow_steps_per_rank``), ``bandwidth_gbps``, ``ddp_hook`` (kind, buckets per
-    step, PowerSGD rank, warm-up and compressed buckets) and ``config.model`` / ``config.data``.
+    factor, ``delay_s``: the extra sleep of a slow step, ``slow_steps_per_rank``), ``bandwidth_gbps``,
+    ``ddp_hook`` (kind, buckets per step, PowerSGD rank, warm-up and compressed buckets), ``speeds``
+    (each rank's slowdown factor, see Note [Rank speeds]) and ``config.model`` / ``config.data``.
     """
     run = setup(cfg, rank, data)
     injected, sleeps = plan_slowdowns(cfg, run)
@@ -157,7 +158,7 @@ def bench_worker(
     record["config"] = {"model": cfg.model, "data": MODELS[cfg.model].data, **record["config"]}
     extras = {  # placed after the demo's field they follow, in the order the benchmark has always used
         "kind": {"model": cfg.model},
-        "straggler": {"transient": transient},
+        "straggler": {"transient": transient, "speeds": None if cfg.speeds is None else list(cfg.speeds)},
         "compute_s_per_rank": {"bandwidth_gbps": None if link is None else link.gbps, "ddp_hook": ddp_hook},
     }
     out: dict[str, Any] = {}

@@ -186,6 +186,7 @@ class BenchConfig(TrainConfig):
     compute_s: float | None = None  # compute time C of one step (s) for injected delays; None: measure
     powersgd_warmup: int | None = None  # ddp+powersgd: all-reduce steps first; None: see powersgd_warmup
     bandwidth_gbps: float | None = None  # Gbit/s of each rank's emulated sending link; None: no emulation
+    speeds: tuple[float, ...] | None = None  # slowdown factor of each rank (>= 1), see Note [Rank speeds]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -200,6 +201,18 @@ class BenchConfig(TrainConfig):
                 )
         if self.compute_s is not None and not self.compute_s >= 0:
             raise ValueError(f"compute_s must be >= 0 seconds, got {self.compute_s}")
+        if self.compute_s is not None and self.device_ms is not None:
+            raise ValueError(
+                "compute_s is C of the CPU-only mode; with device_ms every slowdown is a multiple of D "
+                "(see Note [Emulated device])"
+            )
+        if self.speeds is not None and (
+            len(self.speeds) != self.workers or not all(1 <= f < math.inf for f in self.speeds)
+        ):
+            raise ValueError(
+                f"speeds must give a finite factor >= 1 for each of the {self.workers} workers, got "
+                f"{self.speeds}"
+            )
         if self.bandwidth_gbps is not None and not 0 < self.bandwidth_gbps < math.inf:
             raise ValueError(
                 f"bandwidth_gbps must be a finite number > 0 (Gbit/s), got {self.bandwidth_gbps}"

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fix the straggler's injected delay per step (ms) instead of measuring it in the first run",
     )
+    add_device_option(p)
     d = TrainConfig
     p.add_argument(
         "--epochs",
@@ -86,6 +87,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_device_option(p: argparse.ArgumentParser, effect: str = "the straggler sleeps FACTOR x D") -> None:
+    """Add ``--device-ms D`` (Note [Emulated device]); ``effect`` says what it does to the slowdowns."""
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=None,
+        metavar="D",
+        help="emulated accelerator: every step sleeps D ms of simulated device compute, which leaves the "
+        f"CPU free ({effect}); default: off, CPU-only",
+    )
+
+
+def check_device_ms(args: argparse.Namespace) -> None:
+    """Reject a bad ``--device-ms`` or one given with ``--straggler-delay-ms``, naming the options."""
+    if args.device_ms is not None and not 0 < args.device_ms < float("inf"):
+        raise ValueError(f"--device-ms must be a finite number > 0 of milliseconds, got {args.device_ms}")
+    if args.device_ms is not None and args.straggler_delay_ms is not None:
+        raise ValueError(
+            "--straggler-delay-ms fixes the straggler's delay of the CPU-only mode; with --device-ms D the "
+            "straggler sleeps FACTOR x D per step"
+        )
+
+
 def train_config(
     args: argparse.Namespace,
     system: SystemSpec,
@@ -95,7 +119,7 @@ def train_config(
 ) -> TrainConfig:
     """The TrainConfig of one run from the training options that the demo and ``examples/train_digits.py``
     share (``--epochs``, ``--batch-size``, ``--hidden``, ``--lr``, ``--momentum``, ``--seed``,
-    ``--timeout``)."""
+    ``--timeout``, ``--device-ms``)."""
     return TrainConfig(
         system=system,
         workers=workers,
@@ -107,6 +131,7 @@ def train_config(
         seed=args.seed,
         straggler=straggler,
         straggler_delay_s=straggler_delay_s,
+        device_ms=args.device_ms,
         timeout_s=args.timeout,
     )
 
@@ -119,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     systems = parse_systems(args.policies or _default_policies(args.workers), args.workers)
     straggler = parse_straggler(args.straggler or f"{min(3, args.workers - 1)}:3", args.workers)
     delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
+    check_device_ms(args)
     os.makedirs(args.out, exist_ok=True)
 
     store = start_store_server(args.timeout)
@@ -133,12 +159,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             )
         finally:
             bar.close()
-        if straggler is not None and delay_s is None:
+        if straggler is not None and delay_s is None and args.device_ms is None:
             delay_s = record["straggler"]["delay_s"]  # Note [Straggler injection]: same delay for all
         records.append(record)
 
     print()
-    if straggler is not None:
+    if args.device_ms is not None:
+        print(f"emulated device: every step sleeps {args.device_ms:g} ms (see docs/demo.md)")
+        if straggler is not None:
+            print(
+                f"straggler: rank {straggler[0]} sleeps {straggler[1] * args.device_ms:.2f} ms per step "
+                f"({straggler[1]:g}x the device time)"
+            )
+    elif straggler is not None:
         print(
             f"straggler: rank {straggler[0]} sleeps {delay_s * 1e3:.2f} ms per step "
             + (
@@ -152,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     title = f"{args.workers} workers, " + (
         f"rank {straggler[0]} slowed {straggler[1]:g}x" if straggler else "no straggler"
     )
+    if args.device_ms is not None:
+        title += f", emulated device {args.device_ms:g} ms per step"
     plot_curves(records, plot, title=title)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(records, f, indent=1)

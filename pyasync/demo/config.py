@@ -4,6 +4,7 @@ one training run (:class:`TrainConfig`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from pyasync.demo.data import Digits, budget_steps, load_digits_split
@@ -96,6 +97,7 @@ class TrainConfig:
     seed: int = 0  # data split, model init and batch order
     straggler: tuple[int, float] | None = None  # (rank, factor) or None, see Note [Straggler injection]
     straggler_delay_s: float | None = None  # fixed injected delay per step (s); None: measured
+    device_ms: float | None = None  # emulated device compute per step (ms), see Note [Emulated device]
     eval_points: int = 40  # about how many accuracy snapshots rank 0 takes
     timeout_s: float = 60.0  # every collective, store and optimizer wait (seconds)
     fault: tuple[int, int, str] | None = None  # tests: (rank, step, "raise"|"exit"|"hang") fails that rank
@@ -118,6 +120,13 @@ class TrainConfig:
             raise ValueError(f"fault kind must be 'raise', 'exit' or 'hang', got {self.fault[2]!r}")
         if self.straggler_delay_s is not None and not self.straggler_delay_s >= 0:
             raise ValueError(f"straggler_delay_s must be >= 0 seconds, got {self.straggler_delay_s}")
+        if self.device_ms is not None and not 0 < self.device_ms < math.inf:
+            raise ValueError(f"device_ms must be a finite number > 0 of milliseconds, got {self.device_ms}")
+        if self.device_ms is not None and self.straggler_delay_s is not None:
+            raise ValueError(
+                "straggler_delay_s fixes the straggler's delay of the CPU-only mode; with device_ms the "
+                "straggler sleeps FACTOR x device_ms per step (see Note [Emulated device])"
+            )
 
     def load_data(self) -> Digits:
         """The data set this run trains on (the digits, split with ``seed``)."""

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pyasync.demo.train import LoopResult, RankRun
 
 #: Per-rank numbers gathered to rank 0 after training, in this order (see gather_rank_stats).
-RANK_FIELDS = ("steps", "samples", *PYASYNC_COUNTERS, "straggler_delay_s")
+RANK_FIELDS = ("steps", "samples", *PYASYNC_COUNTERS, "straggler_delay_s", "slept_s")
 
 
 def gather_rank_stats(own: Mapping[str, float], fields: Sequence[str]) -> list[dict[str, float]]:
@@ -69,14 +69,16 @@ def make_record(
     summed over ranks), ``bytes_per_step`` (mean bytes a rank sends per step), ``staleness_p50`` /
     ``staleness_p99`` / ``staleness_hist`` (of applied pushes, summed over owners; None unless pyasync),
     ``pushes_applied``, ``pushes_dropped``, ``nonfinite_skipped``, ``wait_s`` (summed over ranks),
-    ``compression_ratio`` (mean over ranks), ``steps_per_rank``, ``replicas_equal``, ``straggler``,
-    ``compute_s``, ``compute_s_per_rank``, ``config`` and ``curve`` (list of ``{"t": s, "samples": n,
-    "acc": fraction}``, see Note [Timing and evaluation]).
+    ``compression_ratio`` (mean over ranks), ``steps_per_rank``, ``sleep_s_per_rank`` (seconds each
+    rank slept before its steps: injected slowdowns and the emulated device), ``replicas_equal``,
+    ``device_ms`` (Note [Emulated device]; None without), ``straggler`` (rank, factor, ``delay_s``: how
+    much longer its steps were made, in s), ``compute_s``, ``compute_s_per_rank``, ``config`` and
+    ``curve`` (list of ``{"t": s, "samples": n, "acc": fraction}``, see Note [Timing and evaluation]).
     """
     own, hist = rank_counters(trainer)
     counts_bytes = "bytes_sent" in own
     own = {**own, "steps": loop.steps, "samples": loop.steps * cfg.batch_size,
-           "straggler_delay_s": injected.delay_s}  # fmt: skip
+           "straggler_delay_s": injected.delay_s, "slept_s": loop.slept_s}  # fmt: skip
     per_rank = gather_rank_stats(own, RANK_FIELDS)
     total_hist = gather_histogram(hist)
     final = flat_params(run.model)
@@ -118,7 +120,9 @@ def make_record(
         "wait_s": None,
         "compression_ratio": None,
         "steps_per_rank": [int(r["steps"]) for r in per_rank],
+        "sleep_s_per_rank": [r["slept_s"] for r in per_rank],
         "replicas_equal": all(bool(torch.equal(r, final)) for r in replicas),
+        "device_ms": cfg.device_ms,
         "straggler": None
         if cfg.straggler is None
         else {

@@ -18,6 +18,9 @@ TABLE_COLUMNS = (
     ("pushes_dropped", "dropped", "{}"),
 )
 
+#: The column of the emulated device's time per step, shown when some record has one (``device_ms``).
+DEVICE_COLUMN = ("device_ms", "device ms", "{:g}")
+
 
 def histogram_percentile(hist: Mapping[int, int], q: float) -> int | None:
     """Nearest-rank ``q``-quantile (0 < q <= 1) of a histogram ``{value: count}``; None when empty."""
@@ -34,9 +37,13 @@ def histogram_percentile(hist: Mapping[int, int], q: float) -> int | None:
 
 
 def format_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """A plain-text table of records (columns of TABLE_COLUMNS; '-' where a field does not apply)."""
-    head = [title for _, title, _ in TABLE_COLUMNS]
-    rows = [[("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in TABLE_COLUMNS] for r in records]
+    """A plain-text table of records (columns of TABLE_COLUMNS, and DEVICE_COLUMN when some record has an
+    emulated device; '-' where a field does not apply)."""
+    columns = TABLE_COLUMNS
+    if any(r.get("device_ms") is not None for r in records):
+        columns = (*columns, DEVICE_COLUMN)
+    head = [title for _, title, _ in columns]
+    rows = [[("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in columns] for r in records]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:

@@ -1,4 +1,5 @@
-"""The demo's straggler: one rank slowed by a sleep per step, and the compute time it is measured against.
+"""The demo's straggler: one rank slowed by a sleep per step, and the compute time it is measured against;
+and the emulated device (a sleep per step on every rank).
 
 Note [Straggler injection]
     The straggler rank sleeps ``(FACTOR - 1) * C`` seconds at the start of every step (before the
@@ -12,6 +13,18 @@ Note [Straggler injection]
     fix ``C`` instead (``compute_s`` of :func:`straggler_delay_s`; the end-to-end benchmark measures it
     once per model, all ranks at once, and takes the median over ranks); the delay is then
     ``(FACTOR - 1) * C``.
+
+Note [Emulated device]
+    ``TrainConfig.device_ms = D`` (``--device-ms``) adds ``D`` ms of emulated device compute to every
+    step of every rank: a sleep before the forward pass, as a GPU leaves the host CPU free while it
+    computes, so the workers stop competing for the cores while they wait for their "device". The
+    straggler then sleeps ``FACTOR * D`` per step instead of ``D`` (``C`` is neither measured nor used,
+    and ``straggler_delay_s`` may not be given), so its steps are ``FACTOR`` times as long on the
+    emulated device. The real forward and backward pass still run on the CPU after the sleep; choose
+    ``D`` well above their time so that the emulated device dominates a step. What it does not model:
+    real kernels, host-device copies, device memory, several workers sharing one accelerator, and
+    overlap of compute with communication beyond what the host threads do during the sleep. Without
+    ``device_ms`` nothing changes (Note [Straggler injection]).
 """
 
 from __future__ import annotations
@@ -85,7 +98,8 @@ def measure_all_ranks(cfg: TrainConfig, model: nn.Module, x: torch.Tensor, y: to
 class Injection:
     """The slowdown injected on one rank, as the run's record reports it."""
 
-    delay_s: float  # this rank's straggler sleep per step (s); 0 on the other ranks
+    sleep_s: float  # this rank's sleep before every step (s): its straggler delay, or D x its factor
+    delay_s: float  # how much longer the straggler's steps are made than the others' (s); 0 elsewhere
     compute_s: float | None  # C (s): the fixed one, or the median over ranks of the measured ones
     measured: list[float] | None  # every rank's measured C (s); None when nothing was measured
 
@@ -98,7 +112,7 @@ def straggler_delay_s(
     See Note [Straggler injection]."""
     if cfg.straggler is None or rank != cfg.straggler[0]:
         return 0.0
-    factor = cfg.straggler[1]
+    factor = rank_factor(cfg, rank)
     if cfg.straggler_delay_s is not None:
         return cfg.straggler_delay_s
     if compute_s is not None:
@@ -108,16 +122,38 @@ def straggler_delay_s(
     return (factor - 1.0) * measured[rank]
 
 
+def rank_factor(cfg: TrainConfig, rank: int) -> float:
+    """How many times longer than the others ``rank``'s steps are made: the straggler's FACTOR, else 1."""
+    return cfg.straggler[1] if cfg.straggler is not None and rank == cfg.straggler[0] else 1.0
+
+
+def device_injection(cfg: TrainConfig, rank: int, factor: float = 1.0) -> Injection:
+    """With an emulated device (``cfg.device_ms = D``): this rank sleeps ``D`` times its straggler factor
+    and ``factor`` per step (see Note [Emulated device])."""
+    device_s = cfg.device_ms / 1e3
+    straggler = rank_factor(cfg, rank)
+    return Injection(
+        sleep_s=device_s * straggler * factor,
+        delay_s=(straggler - 1.0) * device_s,
+        compute_s=None,
+        measured=None,
+    )
+
+
 def plan_straggler(
     cfg: TrainConfig, rank: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor
 ) -> Injection:
     """Measure ``C`` on every rank when the straggler needs it (a collective: call on every rank), and
-    give this rank's delay. See Note [Straggler injection]."""
+    give this rank's sleep. See Note [Straggler injection] and Note [Emulated device]."""
+    if cfg.device_ms is not None:
+        return device_injection(cfg, rank)
     measured = None
     if cfg.straggler is not None and cfg.straggler_delay_s is None:
         measured = measure_all_ranks(cfg, model, x, y)
+    delay_s = straggler_delay_s(cfg, rank, measured)
     return Injection(
-        delay_s=straggler_delay_s(cfg, rank, measured),
+        sleep_s=delay_s,
+        delay_s=delay_s,
         compute_s=None if measured is None else statistics.median(measured),
         measured=measured,
     )

@@ -116,6 +116,7 @@ class LoopResult:
     """What :func:`timed_loop` measured on one rank."""
 
     steps: int  # steps this rank took
+    slept_s: float  # seconds this rank slept before its steps (the injected slowdowns, the emulated device)
     wall_s: float  # seconds from the start barrier to the end barrier
     eval_every: int  # rank 0 snapshots its parameters every this many of its steps
     snapshots: list[tuple[float, int, torch.Tensor]]  # rank 0: (seconds, samples claimed, parameters)
@@ -141,7 +142,8 @@ def timed_loop(
     """Train ``run.model`` with ``trainer`` between two barriers (see Note [Timing and evaluation]).
 
     Every step is claimed from ``store`` first (Note [Work budget]); before its forward pass, step ``k``
-    of this rank sleeps ``sleep_s(k)`` seconds (the injected slowdown, see Note [Straggler injection]).
+    of this rank sleeps ``sleep_s(k)`` seconds (the injected slowdown and the emulated device, see Note
+    [Straggler injection] and Note [Emulated device]).
     ``progress(samples)`` is called on rank 0 now and then with the samples the cluster has claimed.
     """
     synchronous = cfg.system.synchronous
@@ -150,6 +152,7 @@ def timed_loop(
     draw = batches(run.x, run.y, run.per_pass, cfg.batch_size, cfg.seed, run.rank)
     net, opt = trainer.net, trainer.opt
     steps = 0
+    slept_s = 0.0
     last_report = 0.0
     dist.barrier()
     t0 = time.perf_counter()
@@ -161,7 +164,8 @@ def timed_loop(
             break
         pause = sleep_s(steps)
         if pause:
-            time.sleep(pause)  # emulated slowdown, see Note [Straggler injection]
+            time.sleep(pause)  # see Note [Straggler injection] and Note [Emulated device]
+            slept_s += pause
         if cfg.fault is not None and cfg.fault[:2] == (run.rank, steps):
             _inject_fault(cfg.fault[2], run.rank, steps)
         xb, yb = next(draw)
@@ -181,7 +185,7 @@ def timed_loop(
     dist.barrier()
     wall_s = time.perf_counter() - t0
     trainer.shutdown()
-    return LoopResult(steps=steps, wall_s=wall_s, eval_every=eval_every, snapshots=snapshots)
+    return LoopResult(steps=steps, slept_s=slept_s, wall_s=wall_s, eval_every=eval_every, snapshots=snapshots)
 
 
 def train_worker(
@@ -201,5 +205,5 @@ def train_worker(
     run = setup(cfg, rank, data)
     injected = plan_straggler(cfg, rank, run.model, run.x, run.y)
     trainer = build_trainer(cfg, run.model, run.world)
-    loop = timed_loop(cfg, run, trainer, store, lambda step: injected.delay_s, progress)
+    loop = timed_loop(cfg, run, trainer, store, lambda step: injected.sleep_s, progress)
     return make_record(cfg, run, trainer, loop, injected, progress)
