@@ -1,10 +1,12 @@
 """End-to-end benchmark: DDP (plain, fp16, PowerSGD), pyasync's policies with and without compression, and
 hivemind, trained on the same data, model and seed, with equal workers, a persistent straggler and
-transient slowdowns, optionally behind an emulated link of fixed bandwidth.
+transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated link of fixed
+bandwidth and on an emulated accelerator.
 
     python bench/e2e.py --out e2e_out                    # everything (long; run on a quiet machine)
     python bench/e2e.py --out /tmp/e2e_quick --quick     # every system kind, a few minutes
     python bench/e2e.py --out e2e_1g --bandwidth 1       # every rank sends through a 1 Gbit/s link
+    python bench/e2e.py --out e2e_dev --device-ms 20     # every step has 20 ms of emulated device compute
     python bench/e2e.py --out x --systems ddp,asp+int8 --scenarios slow2x --models mlp --epochs 10
 
 Each run spawns ``--workers`` local processes (gloo on loopback, one thread each), as ``python -m
@@ -30,10 +32,14 @@ import common  # noqa: E402
 
 common.use_source_tree()
 
-from pyasync import experiments as h  # noqa: E402
-from pyasync.experiments import e2e as E  # noqa: E402
-from pyasync.experiments.report import plot_e2e  # noqa: E402
-from pyasync.experiments.workload import MODELS  # noqa: E402
+from harness import scenarios as S  # noqa: E402
+from harness import summary as E  # noqa: E402
+from harness.plots import plot_e2e  # noqa: E402
+from harness.train import calibrate_local, run_bench  # noqa: E402
+from harness.workload import MODELS, BenchConfig, parse_systems  # noqa: E402
+
+from pyasync.demo.cli import add_device_option  # noqa: E402
+from pyasync.demo.local import WorkerError, progress_bar, start_store_server  # noqa: E402
 
 #: Budgets of --quick, in passes over the training set; the wide model runs only the equal scenario.
 QUICK_EPOCHS = {"mlp": 15, "wide": 3}
@@ -51,6 +57,7 @@ FIRST_KEYS = (
     "final_acc",
     "bytes_per_step",
     "bandwidth_gbps",
+    "device_ms",
     "samples_per_s_vs_ddp",
     "time_to_target_vs_ddp",
     "target_acc",
@@ -78,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="GBPS",
-        help="emulate a sending link of GBPS gigabits per second per worker (PYASYNC_LINK_GBPS)",
+        help="emulate a sending link of GBPS gigabits per second per worker",
+    )
+    add_device_option(
+        p,
+        "slowdowns become multiples of D, a 2x straggler sleeps 2D; the default scenarios are then "
+        f"{','.join(S.DEVICE_SCENARIOS)}",
     )
     p.add_argument(
         "--systems",
@@ -87,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
-        "--scenarios", default=None, help=f"comma list of {', '.join(E.SCENARIOS)} (default: all)"
+        "--scenarios",
+        default=None,
+        help=f"comma list of {', '.join(S.SCENARIOS)} (default: {','.join(S.DEFAULT_SCENARIOS)})",
     )
     p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
     p.add_argument(
@@ -137,9 +151,10 @@ def hivemind_status() -> str | None:
     return None
 
 
-def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, E.Scenario]]:
+def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, S.Scenario]]:
     """(model, scenario) pairs in run order."""
-    scenarios = E.parse_scenarios(args.scenarios or ",".join(E.SCENARIOS), args.workers)
+    default = S.DEFAULT_SCENARIOS if args.device_ms is None else S.DEVICE_SCENARIOS
+    scenarios = S.parse_scenarios(args.scenarios or ",".join(default), args.workers)
     plan = []
     for m in models:
         for sc in scenarios:
@@ -172,7 +187,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         raise ValueError(f"--bandwidth must be a finite number > 0 of Gbit/s, got {args.bandwidth}")
     if args.compute_ms is not None and not args.compute_ms >= 0:
         raise ValueError(f"--compute-ms must be >= 0, got {args.compute_ms}")
-    systems = h.parse_systems(args.systems or E.default_systems(args.workers, args.quick), args.workers)
+    if args.device_ms is not None and not 0 < args.device_ms < float("inf"):
+        raise ValueError(f"--device-ms must be a finite number > 0 of milliseconds, got {args.device_ms}")
+    if args.device_ms is not None and args.compute_ms is not None:
+        raise ValueError(
+            "--compute-ms sets C of the CPU-only mode; with --device-ms D every slowdown is a multiple of D"
+        )
+    systems = parse_systems(args.systems or S.default_systems(args.workers, args.quick), args.workers)
     models = [m.strip() for m in (args.models or ",".join(MODELS)).split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
@@ -187,9 +208,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     machine = common.machine_info()
     command = common.command_line()
 
-    from tqdm.auto import tqdm
-
-    store = h.start_store_server(args.timeout)
+    store = start_store_server(args.timeout)
     records: list[dict[str, Any]] = []
     compute_s: dict[str, float | None] = {}
     printed: set[str] = set()
@@ -199,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         spec = MODELS[model]
         epochs = args.epochs or (QUICK_EPOCHS[model] if args.quick else spec.epochs)
 
-        def config(system: h.SystemSpec) -> h.TrainConfig:
-            return h.TrainConfig(
+        def config(system) -> BenchConfig:
+            return BenchConfig(
                 system=system,
                 workers=args.workers,
                 model=model,
@@ -211,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 seed=args.seed,
                 straggler=sc.straggler,
                 transient=sc.transient,
+                speeds=sc.speeds,
+                device_ms=args.device_ms,
                 compute_s=compute_s.get(model),
                 powersgd_warmup=args.powersgd_warmup,
                 bandwidth_gbps=args.bandwidth,
@@ -221,13 +242,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if model not in compute_s:
             # See Note [Straggler injection]: C is measured once per model, all ranks at once, and the
             # same seconds are used by every system and scenario of this invocation.
-            slowed = any(s.straggler or s.transient for m, s in plan if m == model)
-            if not slowed:
-                compute_s[model] = None  # nothing to inject
+            slowed = any(s.straggler or s.transient or s.speeds for m, s in plan if m == model)
+            if not slowed or args.device_ms is not None:
+                compute_s[model] = None  # nothing to inject, or multiples of D (Note [Emulated device])
             elif args.compute_ms is not None:
                 compute_s[model] = args.compute_ms / 1e3
             else:
-                per_rank = h.calibrate_local(
+                per_rank = calibrate_local(
                     config(systems[0]), store, prefix=f"cal-{model}/", run_timeout_s=args.run_timeout
                 )
                 compute_s[model] = statistics.median(per_rank)
@@ -249,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "model": model,
                 "target_acc": targets[model],
                 "bandwidth_gbps": args.bandwidth,
+                "device_ms": args.device_ms,
                 "machine": machine,
                 "command": command,
                 "quick": args.quick,
@@ -260,28 +282,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 _write_json(json_path, records)
                 continue
             cfg = config(system)
-            budget = epochs * h.steps_per_epoch(
-                len(h.load_split(model, args.seed).x_train), args.workers, args.batch_size
-            ) * args.workers
-            bar = tqdm(
-                total=budget * args.batch_size,
-                desc=f"{model}/{sc.name}/{system.name}"[:40].rjust(40),
-                unit="sample",
-                unit_scale=True,
-                disable=args.no_progress,
-                leave=False,
-                file=sys.stderr,
-            )
-
-            def advance(samples: int, bar=bar) -> None:
-                bar.update(max(0, samples - bar.n))
-
+            total = cfg.budget(len(cfg.load_data().x_train)) * args.batch_size
+            desc = f"{model}/{sc.name}/{system.name}"[:40].rjust(40)
+            bar, advance = progress_bar(total, desc, disable=args.no_progress, leave=False)
             n_runs += 1
             try:
-                rec = h.run_local(
+                rec = run_bench(
                     cfg, store, prefix=f"e2e{n_runs}/", progress=advance, run_timeout_s=args.run_timeout
                 )
-            except h.WorkerError as e:
+            except WorkerError as e:
                 records.append({**base, "error": str(e)})
                 print(f"{model}/{sc.name}/{system.name}: FAILED: {e}", file=sys.stderr)
             else:
@@ -311,6 +320,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         print(f"scenario {sc.name}: {sc.about}")
     if args.bandwidth is not None:
         print(f"link: {args.bandwidth:g} Gbit/s per sending worker (emulated, sender side only)")
+    if args.device_ms is not None:
+        print(
+            f"device: {args.device_ms:g} ms of emulated compute per step (a sleep that leaves the CPU free; "
+            "slowdowns are multiples of it)"
+        )
     if no_hivemind is not None:
         print(f"hivemind: skipped ({no_hivemind})")
     print(E.format_summary(records))

@@ -6,7 +6,7 @@
 
 Each rank reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (torchrun sets them),
 joins ``init_process_group("gloo")`` and trains on its own shard of the training set. The training loop
-is the one ``python -m pyasync.demo`` runs (``pyasync.experiments.train_worker``): for pyasync it is the
+is the one ``python -m pyasync.demo`` runs (``pyasync.demo.train_worker``): for pyasync it is the
 plain PyTorch loop with the optimizer wrapped,
 
     opt = pyasync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=..., momentum=...),
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from pyasync import experiments as h
+from pyasync import demo as h
+from pyasync.demo.cli import add_device_option, check_device_ms, train_config
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="fixed delay per straggler step (ms) instead of FACTOR x its measured compute time",
     )
+    add_device_option(p)
     p.add_argument("--epochs", type=int, default=20, help="total work in passes over the training set")
     p.add_argument(
         "--batch-size", type=int, default=h.TrainConfig.batch_size, help="samples per step per rank"
@@ -60,33 +61,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="rank 0 writes its result record to this path")
     args = p.parse_args(argv)
 
+    check_device_ms(args)
     store, rank, world = h.store_from_env(args.timeout)
-    cfg = h.TrainConfig(
-        system=h.parse_system(args.policy, world),
-        workers=world,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        hidden=args.hidden,
-        lr=args.lr,
-        momentum=args.momentum,
-        seed=args.seed,
-        straggler=h.parse_straggler(args.straggler, world),
-        straggler_delay_s=None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3,
-        timeout_s=args.timeout,
-    )
+    delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
+    system, straggler = h.parse_system(args.policy, world), h.parse_straggler(args.straggler, world)
+    cfg = train_config(args, system, world, straggler, delay_s)
     run_store = h.join_run(store, "train_digits/", rank, world, args.timeout)
-    bar = None
+    bar = progress = None
     if rank == 0:
-        from tqdm.auto import tqdm
+        total = cfg.budget(len(cfg.load_data().x_train)) * cfg.batch_size
+        bar, progress = h.progress_bar(total, cfg.system.name)
 
-        data_n = len(h.load_digits_split(cfg.seed).x_train)
-        total = cfg.epochs * h.steps_per_epoch(data_n, world, cfg.batch_size) * world * cfg.batch_size
-        bar = tqdm(total=total, desc=cfg.system.name, unit="sample", unit_scale=True, file=sys.stderr)
-
-    def progress(samples: int) -> None:
-        bar.update(max(0, samples - bar.n))
-
-    record = h.train_worker(cfg, rank, run_store, progress if bar is not None else None)
+    record = h.train_worker(cfg, rank, run_store, progress)
     dist.destroy_process_group()
     if rank != 0:
         return

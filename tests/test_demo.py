@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyasync import demo
-from pyasync import experiments as h
-from pyasync.experiments.workload import _batches
+from pyasync import demo as h
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +100,11 @@ def test_train_config_rejects_bad_values():
         ({"momentum": -0.1}, "momentum >= 0"),
         ({"fault": (0, 0, "boom")}, "fault kind"),
         ({"straggler_delay_s": -1.0}, "straggler_delay_s"),
+        ({"device_ms": 0.0}, "device_ms must be a finite number > 0"),
+        ({"device_ms": -1.0}, "device_ms must be a finite number > 0"),
+        ({"device_ms": float("inf")}, "device_ms must be a finite number > 0"),
+        ({"device_ms": float("nan")}, "device_ms must be a finite number > 0"),
+        ({"device_ms": 5.0, "straggler_delay_s": 0.01}, "with device_ms the straggler sleeps"),
     ]:
         with pytest.raises(ValueError, match=name):
             h.TrainConfig(**{"system": spec, "workers": 2, **kw})
@@ -139,7 +142,7 @@ def test_steps_per_epoch():
 def test_batches_cover_the_shard_each_pass():
     x = torch.arange(10.0).reshape(10, 1)
     y = torch.arange(10)
-    it = _batches(x, y, steps=3, batch_size=3, seed=1, rank=0)
+    it = h.batches(x, y, steps=3, batch_size=3, seed=1, rank=0)
     first = [next(it) for _ in range(3)]
     second = [next(it) for _ in range(3)]
     for one_pass in (first, second):
@@ -200,6 +203,11 @@ def test_format_table():
     ]
     assert lines[2].split() == ["ddp", "1.23", "1000", "0.9600", "12.3", "-", "-", "0"]
     assert lines[3].split() == ["quorum:3", "0.50", "2000", "0.9000", "10.0", "0", "3", "7"]
+    # With an emulated device the table gains its column; without one it stays as above.
+    assert "device" not in h.format_table([{**r, "device_ms": None} for r in recs])
+    lines = h.format_table([{**r, "device_ms": 20.0} for r in recs]).splitlines()
+    assert lines[0].split()[-2:] == ["device", "ms"]
+    assert lines[2].split()[-1] == "20" and lines[3].split()[-1] == "20"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,7 +235,7 @@ def test_demo_ddp_and_pyasync(tmp_path):
     out = tmp_path / "out"
     table = tmp_path / "table.json"
     workers, epochs, batch = 2, 1, 32
-    records = demo.main(
+    records = h.main(
         [
             "--workers",
             str(workers),
@@ -257,6 +265,12 @@ def test_demo_ddp_and_pyasync(tmp_path):
     # The delay measured in the first run is reused verbatim by the later runs.
     assert saved[0]["straggler"]["delay_s"] > 0
     assert saved[1]["straggler"]["delay_s"] == saved[0]["straggler"]["delay_s"]
+    assert saved[0]["compute_s_per_rank"] is not None and saved[1]["compute_s_per_rank"] is None
+    for r in saved:  # CPU-only mode: only the straggler sleeps, its delay before each of its steps
+        delay = r["straggler"]["delay_s"]
+        assert r["device_ms"] is None
+        assert r["sleep_s_per_rank"][0] == 0.0
+        assert r["sleep_s_per_rank"][1] == pytest.approx(delay * r["steps_per_rank"][1], rel=1e-9)
     ddp, ssp = saved
     # DDP's bytes: every step all-reduces every parameter once; a ring sends 2(n-1)/n of it per rank.
     n_params = sum(p.numel() for p in h.make_model(64, 0).parameters())
@@ -269,6 +283,39 @@ def test_demo_ddp_and_pyasync(tmp_path):
     png = (out / "accuracy_vs_time.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert records == saved
+
+
+def test_demo_rejects_bad_device_options(tmp_path):
+    for argv, message in [
+        (["--device-ms", "0"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "nan"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "5", "--straggler-delay-ms", "3"], "--straggler-delay-ms fixes"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            h.main(["--out", str(tmp_path), "--no-progress", *argv])
+
+
+@pytest.mark.multiproc
+def test_demo_emulated_device(tmp_path):
+    # --device-ms D: every step of every rank sleeps D, the straggler's FACTOR x D; nothing is measured.
+    workers, epochs, batch, device_ms, factor = 2, 1, 32, 2.0, 3.0
+    records = h.main(
+        [
+            *("--workers", str(workers), "--epochs", str(epochs), "--batch-size", str(batch)),
+            *("--hidden", "64", "--policies", "ddp,asp", "--straggler", f"1:{factor:g}"),
+            *("--device-ms", str(device_ms), "--out", str(tmp_path / "out"), "--no-progress"),
+        ]
+    )
+    assert [r["name"] for r in records] == ["ddp", "asp"]
+    d = device_ms / 1e3
+    for r in records:
+        _check_record(r, workers, epochs, batch)
+        assert r["device_ms"] == device_ms
+        assert r["compute_s"] is None and r["compute_s_per_rank"] is None
+        assert r["straggler"] == {"rank": 1, "factor": factor, "delay_s": pytest.approx((factor - 1) * d)}
+        steps = r["steps_per_rank"]
+        assert r["sleep_s_per_rank"] == pytest.approx([steps[0] * d, steps[1] * factor * d], rel=1e-9)
+    assert "device ms" in h.format_table(records)
 
 
 @pytest.mark.multiproc

@@ -7,14 +7,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
-from pyasync import experiments as h
-from pyasync.experiments import e2e as E
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # before the imports; spawned workers inherit sys.path
+from harness import scenarios as S  # noqa: E402
+from harness import summary as E  # noqa: E402
+from harness import workload as W  # noqa: E402
+from harness.slowdowns import transient_slow  # noqa: E402
+
+from pyasync import demo as h  # noqa: E402
 
 
 def _load_bench():
@@ -39,16 +44,16 @@ def _load_bench():
     ],
 )
 def test_parse_ddp_systems(token, compression, hook, rank):
-    spec = h.parse_system(token, workers=4)
+    spec = W.parse_system(token, workers=4)
     assert (spec.name, spec.policy, spec.compression, spec.kind) == (token, None, compression, "ddp")
     assert spec.is_ddp and not spec.is_pyasync and spec.synchronous
     assert spec.ddp_hook == hook and spec.powersgd_rank == rank
 
 
 def test_parse_hivemind_and_pyasync_kinds():
-    hm = h.parse_system("hivemind", 4)
+    hm = W.parse_system("hivemind", 4)
     assert hm.kind == "hivemind" and not hm.is_ddp and not hm.is_pyasync and not hm.synchronous
-    q = h.parse_system("quorum:3+topk:0.01", 4)
+    q = W.parse_system("quorum:3+topk:0.01", 4)
     assert q.kind == "pyasync" and q.is_pyasync and q.ddp_hook is None and q.powersgd_rank is None
 
 
@@ -66,13 +71,13 @@ def test_parse_hivemind_and_pyasync_kinds():
 )
 def test_parse_bad_systems(token, message):
     with pytest.raises(ValueError, match=message) as e:
-        h.parse_system(token, workers=4)
+        W.parse_system(token, workers=4)
     assert str(e.value).startswith(f"system {token!r}: ")
 
 
 def test_default_systems_cover_every_kind():
     for quick in (False, True):
-        specs = h.parse_systems(E.default_systems(4, quick=quick), 4)
+        specs = W.parse_systems(S.default_systems(4, quick=quick), 4)
         names = [s.name for s in specs]
         assert {"ddp", "ddp+fp16", "ddp+powersgd", "hivemind"} <= set(names)
         policies = {s.policy.split(":")[0] for s in specs if s.is_pyasync}
@@ -80,7 +85,7 @@ def test_default_systems_cover_every_kind():
         codecs = {(s.compression or "none").split(":")[0] for s in specs if s.is_pyasync}
         assert codecs == {"none", "int8", "topk"}
         assert "quorum:3" in {s.policy for s in specs if s.is_pyasync}
-    assert len(h.parse_systems(E.default_systems(4), 4)) == 16  # 3 DDP + 4 policies x 3 + hivemind
+    assert len(W.parse_systems(S.default_systems(4), 4)) == 16  # 3 DDP + 4 policies x 3 + hivemind
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,33 +94,61 @@ def test_default_systems_cover_every_kind():
 
 
 def test_scenarios():
-    eq, slow, tr = E.parse_scenarios("equal, slow2x,TRANSIENT", 4)
+    eq, slow, tr = S.parse_scenarios("equal, slow2x,TRANSIENT", 4)
     assert (eq.straggler, eq.transient) == (None, None)
     assert slow.straggler == (3, 2.0) and slow.transient is None
     assert tr.straggler is None and tr.transient == (0.1, 5.0)
     with pytest.raises(ValueError, match="unknown scenario 'slow3x'"):
-        E.parse_scenarios("slow3x", 4)
+        S.parse_scenarios("slow3x", 4)
     with pytest.raises(ValueError, match="unique"):
-        E.parse_scenarios("equal,equal", 4)
+        S.parse_scenarios("equal,equal", 4)
     with pytest.raises(ValueError, match="at least one"):
-        E.parse_scenarios(" ,", 4)
+        S.parse_scenarios(" ,", 4)
+
+
+@pytest.mark.parametrize(
+    "workers, speeds",
+    [
+        (2, (1, 2)),
+        (3, (1, 1, 2)),
+        (4, (1, 1, 1.5, 2)),
+        (5, (1, 1, 1, 1.5, 2)),
+        (6, (1, 1, 1, 1.5, 1.75, 2)),
+        (8, (1, 1, 1, 1, 1.5, 1.5 + 0.5 / 3, 1.5 + 1 / 3, 2)),
+    ],
+)
+def test_hetero_speeds(workers, speeds):
+    assert S.hetero_speeds(workers) == pytest.approx(speeds, abs=1e-12)
+    (het,) = S.parse_scenarios("hetero", workers)
+    assert het.speeds == S.hetero_speeds(workers) and het.straggler is None and het.transient is None
+    assert "2x as long" in het.about
+
+
+def test_hetero_needs_two_workers_and_defaults_depend_on_the_device():
+    with pytest.raises(ValueError, match="at least 2 workers"):
+        S.hetero_speeds(1)
+    bench = _load_bench()
+    plan = bench._plan(bench.build_parser().parse_args(["--out", "x"]), ["mlp"])
+    assert [sc.name for _, sc in plan] == ["equal", "slow2x", "transient"]  # as before --device-ms
+    plan = bench._plan(bench.build_parser().parse_args(["--out", "x", "--device-ms", "20"]), ["mlp"])
+    assert [sc.name for _, sc in plan] == ["equal", "slow2x", "hetero", "transient"]
 
 
 def test_transient_draws_are_a_function_of_seed_rank_step():
-    draws = [[h.transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
-    again = [[h.transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
+    draws = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
+    again = [[transient_slow(0, r, k, 0.1) for k in range(2000)] for r in range(4)]
     assert draws == again  # what every system of a run sees
     for r in range(4):
         assert 0.07 < sum(draws[r]) / 2000 < 0.13  # probability 0.1
     assert len({tuple(d) for d in draws}) == 4  # ranks draw independently
-    other_seed = [h.transient_slow(1, 0, k, 0.1) for k in range(2000)]
+    other_seed = [transient_slow(1, 0, k, 0.1) for k in range(2000)]
     assert other_seed != draws[0]
-    assert not any(h.transient_slow(0, 0, k, 0.0) for k in range(100))
-    assert all(h.transient_slow(0, 0, k, 1.0) for k in range(100))
+    assert not any(transient_slow(0, 0, k, 0.0) for k in range(100))
+    assert all(transient_slow(0, 0, k, 1.0) for k in range(100))
 
 
 def test_train_config_checks_new_fields():
-    spec = h.parse_system("ddp", 2)
+    spec = W.parse_system("ddp", 2)
     for kw, name in [
         ({"model": "cnn"}, "model must be one of"),
         ({"transient": (1.5, 5.0)}, "transient"),
@@ -123,17 +156,22 @@ def test_train_config_checks_new_fields():
         ({"compute_s": -1.0}, "compute_s"),
         ({"powersgd_warmup": 1}, "powersgd_warmup"),
         ({"bandwidth_gbps": 0.0}, "bandwidth_gbps"),
+        ({"speeds": (1.0,)}, "speeds must give a finite factor >= 1 for each of the 2 workers"),
+        ({"speeds": (1.0, 0.5)}, "speeds must give"),
+        ({"speeds": (1.0, float("inf"))}, "speeds must give"),
+        ({"device_ms": 10.0, "compute_s": 0.01}, "compute_s is C of the CPU-only mode"),
+        ({"device_ms": 0.0}, "device_ms must be a finite number > 0"),
     ]:
         with pytest.raises(ValueError, match=name):
-            h.TrainConfig(**{"system": spec, "workers": 2, **kw})
+            W.BenchConfig(**{"system": spec, "workers": 2, **kw})
 
 
 def test_teacher_split_is_fixed_and_learnable_in_shape():
-    a, b = h.load_teacher_split(0), h.load_teacher_split(0)
+    a, b = W.load_teacher_split(0), W.load_teacher_split(0)
     assert a.x_train.shape == (8192, 256) and a.x_test.shape == (2048, 256)
     assert a.x_train.equal(b.x_train) and a.y_test.equal(b.y_test)
     assert set(a.y_train.tolist()) == set(range(10))
-    assert not h.load_teacher_split(1).y_train.equal(a.y_train)
+    assert not W.load_teacher_split(1).y_train.equal(a.y_train)
     n = sum(p.numel() for p in h.make_model(2048, 0, 256).parameters())
     assert 4_000_000 < n < 5_000_000  # the "wide" model: a few million parameters
 
@@ -178,6 +216,19 @@ def test_add_ratios_compares_within_model_scenario_and_link():
     table = E.format_summary(recs).splitlines()
     assert table[0].split()[:3] == ["model", "scenario", "system"]
     assert "skipped" in table[-1] and "1.50" in table[3]
+    assert "device" not in table[0]
+    table = E.format_summary([{**r, "device_ms": 20.0} for r in recs]).splitlines()
+    assert table[0].split()[-2:] == ["device", "ms"] and all(row.endswith(" 20") for row in table[2:])
+
+
+def test_add_ratios_keeps_device_modes_apart():
+    recs = [
+        {"system": "ddp", "model": "mlp", "scenario": "equal", "samples_per_s": 100.0, "device_ms": None},
+        {"system": "ddp", "model": "mlp", "scenario": "equal", "samples_per_s": 50.0, "device_ms": 20.0},
+        {"system": "asp", "model": "mlp", "scenario": "equal", "samples_per_s": 75.0, "device_ms": 20.0},
+    ]
+    E.add_ratios(recs)
+    assert [r["samples_per_s_vs_ddp"] for r in recs] == [1.0, 1.0, 1.5]
 
 
 def test_parse_targets():
@@ -198,6 +249,9 @@ def test_bench_rejects_bad_options(tmp_path):
         (["--scenarios", "slow3x"], "unknown scenario"),
         (["--bandwidth", "0"], "--bandwidth"),
         (["--workers", "1"], "--workers"),
+        (["--device-ms", "0"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "inf"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "20", "--compute-ms", "5"], "--compute-ms sets C of the CPU-only mode"),
     ]:
         with pytest.raises(ValueError, match=message):
             bench.main(["--out", str(tmp_path), *argv])
@@ -219,6 +273,7 @@ REQUIRED = (
     "final_acc",
     "bytes_per_step",
     "bandwidth_gbps",
+    "device_ms",
 )
 
 
@@ -276,10 +331,13 @@ def test_e2e_tiny_run(tmp_path):
         assert r["machine"]["torch"] and r["command"]
         # Every rank's k-th step is slow in every system alike (drawn from (seed, rank, k)).
         expect = [
-            sum(h.transient_slow(0, rank, k, 0.1) for k in range(n))
+            sum(transient_slow(0, rank, k, 0.1) for k in range(n))
             for rank, n in enumerate(r["steps_per_rank"])
         ]
         assert r["transient"]["slow_steps_per_rank"] == expect
+        # CPU-only mode, as before --device-ms: only the slow steps sleep, (5 - 1) x C each.
+        assert r["device_ms"] is None and r["speeds"] is None
+        assert r["sleep_s_per_rank"] == pytest.approx([4e-3 * n for n in expect], rel=1e-9)
     ddp, fp16, ssp, hm = saved
     assert ddp["samples_per_s_vs_ddp"] == 1.0 and ddp["time_to_target_vs_ddp"] == 1.0
     assert fp16["samples_per_s_vs_ddp"] == pytest.approx(fp16["samples_per_s"] / ddp["samples_per_s"])
@@ -298,3 +356,42 @@ def test_e2e_tiny_run(tmp_path):
         assert hm["skipped"] is True and "hivemind is not importable" in hm["note"]
         assert hm["samples_per_s"] is None and hm["bandwidth_gbps"] == 4.0
     assert all(math.isfinite(r["samples_per_s"]) for r in ran)
+
+
+@pytest.mark.multiproc
+def test_e2e_emulated_device(tmp_path):
+    # --device-ms D: every step sleeps D times its rank's factor (2x straggler: 2D; hetero: 1D and 2D
+    # with 2 workers), a transient slow step 5D; C is neither calibrated nor used. ASP lets ranks take
+    # different numbers of steps, so the sleep totals show the sleep is applied per step taken.
+    bench = _load_bench()
+    workers, device_ms = 2, 2.0
+    d = device_ms / 1e3
+    records = bench.main(
+        [
+            *("--out", str(tmp_path / "out"), "--workers", str(workers), "--epochs", "1"),
+            *("--batch-size", "32", "--systems", "asp", "--scenarios", "slow2x,hetero,transient"),
+            *("--models", "mlp", "--device-ms", str(device_ms), "--eval-points", "5", "--no-progress"),
+        ]
+    )
+    saved = json.loads((tmp_path / "out" / "e2e.json").read_text())
+    assert [r["scenario"] for r in saved] == ["slow2x", "hetero", "transient"]
+    assert len(records) == len(saved)
+    for r in saved:
+        assert list(r)[: len(REQUIRED)] == list(REQUIRED)
+        assert r["device_ms"] == device_ms and not r.get("error") and r["replicas_equal"] is True
+        assert r["compute_s"] is None and r["compute_s_per_rank"] is None
+        assert sum(r["steps_per_rank"]) == r["config"]["budget_steps"]
+    slow, het, tr = saved
+    steps = slow["steps_per_rank"]
+    assert slow["straggler"] == {"rank": 1, "factor": 2.0, "delay_s": pytest.approx(d)}
+    assert slow["sleep_s_per_rank"] == pytest.approx([steps[0] * d, steps[1] * 2 * d], rel=1e-9)
+    steps = het["steps_per_rank"]
+    assert het["speeds"] == [1.0, 2.0] and het["straggler"] is None
+    assert het["sleep_s_per_rank"] == pytest.approx([steps[0] * d, steps[1] * 2 * d], rel=1e-9)
+    slow_steps = [
+        sum(transient_slow(0, rank, k, 0.1) for k in range(n)) for rank, n in enumerate(tr["steps_per_rank"])
+    ]
+    assert tr["transient"]["slow_steps_per_rank"] == slow_steps and sum(slow_steps) > 0
+    assert tr["transient"]["delay_s"] == pytest.approx(4 * d)  # a slow step sleeps 5D instead of D
+    expect = [(n + 4 * k) * d for n, k in zip(tr["steps_per_rank"], slow_steps, strict=True)]
+    assert tr["sleep_s_per_rank"] == pytest.approx(expect, rel=1e-9)

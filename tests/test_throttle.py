@@ -1,23 +1,21 @@
-"""The link emulator: Link arithmetic, ThrottledTransport over an in-process fake, PYASYNC_LINK_GBPS parsing
-and delayed futures. All in one process; the whole file runs in about a second."""
+"""The link emulator (bench/linkemu.py): Link arithmetic, ThrottledTransport over an in-process fake and
+delayed futures. All in one process; the whole file runs in about a second."""
 
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from linkemu import Link, ThrottledTransport, complete_after
+
 from pyasync.transport.base import Handle, Transport
-from pyasync.transport.throttle import (
-    ENV_VAR,
-    Link,
-    ThrottledTransport,
-    complete_after,
-    link_from_env,
-)
 
 SEC = datetime.timedelta(seconds=1)
 
@@ -253,33 +251,6 @@ def test_constructor_checks_types():
         ThrottledTransport(object(), Link(1.0))
     with pytest.raises(TypeError, match="Link"):
         ThrottledTransport(FakeTransport(), 1.0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# PYASYNC_LINK_GBPS
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_link_from_env_parses():
-    assert link_from_env({}) is None
-    assert link_from_env({ENV_VAR: ""}) is None
-    assert link_from_env({ENV_VAR: "  "}) is None
-    assert link_from_env({ENV_VAR: "1"}).gbps == 1.0
-    assert link_from_env({ENV_VAR: " 0.25 "}).gbps == 0.25
-    assert link_from_env({ENV_VAR: "1e1"}).gbps == 10.0
-
-
-@pytest.mark.parametrize("raw", ["0", "-1", "abc", "nan", "inf", "1Gbps"])
-def test_link_from_env_rejects(raw):
-    with pytest.raises(ValueError, match=rf"^{ENV_VAR}='{raw}': .*number > 0 of gigabits per second"):
-        link_from_env({ENV_VAR: raw})
-
-
-def test_link_from_env_reads_the_process_environment(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "2.5")
-    assert link_from_env().gbps == 2.5
-    monkeypatch.delenv(ENV_VAR)
-    assert link_from_env() is None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,76 +1,10 @@
-"""Reporting: percentiles of staleness histograms, the results table, the accuracy plot and the
-end-to-end benchmark's plots."""
+"""The end-to-end benchmark's plots: accuracy against wall-clock time and throughput, per model."""
 
 from __future__ import annotations
 
-import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-#: Fields of a result record, in table order (the JSON holds more, see :func:`train_worker`).
-TABLE_COLUMNS = (
-    ("name", "system", "{}"),
-    ("wall_s", "wall s", "{:.2f}"),
-    ("samples_per_s", "samples/s", "{:.0f}"),
-    ("test_acc", "test acc", "{:.4f}"),
-    ("mb_sent", "MB sent", "{:.1f}"),
-    ("staleness_p50", "stale p50", "{}"),
-    ("staleness_p99", "stale p99", "{}"),
-    ("pushes_dropped", "dropped", "{}"),
-)
-
-
-def histogram_percentile(hist: Mapping[int, int], q: float) -> int | None:
-    """Nearest-rank ``q``-quantile (0 < q <= 1) of a histogram ``{value: count}``; None when empty."""
-    total = sum(hist.values())
-    if total == 0:
-        return None
-    need = math.ceil(q * total)
-    seen = 0
-    for value in sorted(hist):
-        seen += hist[value]
-        if seen >= need:
-            return int(value)
-    return int(max(hist))
-
-
-def format_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """A plain-text table of records (columns of TABLE_COLUMNS; '-' where a field does not apply)."""
-    head = [title for _, title, _ in TABLE_COLUMNS]
-    rows = [[("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in TABLE_COLUMNS] for r in records]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(
-        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )
-    return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
-def plot_curves(records: Sequence[Mapping[str, Any]], path: str, title: str = "") -> None:
-    """Write a PNG of test accuracy against wall-clock time (left) and samples processed (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for r in records:
-        ts = [p["t"] for p in r["curve"]]
-        ss = [p["samples"] for p in r["curve"]]
-        acc = [p["acc"] for p in r["curve"]]
-        (line,) = ax_t.plot(ts, acc, marker=".", markersize=3, label=r["name"])
-        ax_s.plot(ss, acc, marker=".", markersize=3, color=line.get_color(), label=r["name"])
-    ax_t.set_xlabel("wall-clock time (s)")
-    ax_s.set_xlabel("samples processed by all workers")
-    ax_t.set_ylabel("test accuracy (rank 0's parameters)")
-    for ax in (ax_t, ax_s):
-        ax.grid(alpha=0.3)
-    ax_t.legend(loc="lower right")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
 
 _POLICY_COLORS = {"ddp": "black", "bsp": "tab:blue", "ssp": "tab:orange", "asp": "tab:green",
                   "quorum": "tab:red", "hivemind": "tab:purple"}  # fmt: skip
@@ -93,8 +27,6 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
     per scenario, samples/s per system with DDP's as a vertical line). Skipped or failed runs are left
     out.
     """
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,12 +39,14 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
         scenarios = list(dict.fromkeys(r["scenario"] for r in mine))
         bw = mine[0].get("bandwidth_gbps")
         link = f", link {bw:g} Gbit/s" if bw else ""
+        device = mine[0].get("device_ms")
+        link += f", emulated device {device:g} ms/step" if device else ""
         n = len(scenarios)
 
         fig, axes = plt.subplots(
             1, n, figsize=(5.0 * n + 2.0, 4.4), sharey=True, squeeze=False, layout="constrained"
         )
-        for ax, sc in zip(axes[0], scenarios):
+        for ax, sc in zip(axes[0], scenarios, strict=True):
             rows = [r for r in mine if r["scenario"] == sc]
             for r in rows:
                 ax.plot(
@@ -140,12 +74,14 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
         fig, axes = plt.subplots(
             1, n, figsize=(max(7.0, 4.6 * n), 0.3 * len(mine) / n + 1.9), squeeze=False, layout="constrained"
         )
-        for ax, sc in zip(axes[0], scenarios):
+        for ax, sc in zip(axes[0], scenarios, strict=True):
             rows = [r for r in mine if r["scenario"] == sc]
             ys = range(len(rows))
             colors = [_style(r)["color"] for r in rows]
             bars = ax.barh(list(ys), [r["samples_per_s"] for r in rows], color=colors)
-            for bar, r in zip(bars, rows):  # hatch by compression, as the line styles of the other plot
+            for bar, r in zip(
+                bars, rows, strict=True
+            ):  # hatch by compression, as the line styles of the other plot
                 bar.set_hatch({"-": "", "--": "//", ":": "..", "-.": "xx"}[_style(r)["linestyle"]])
                 bar.set_edgecolor("white")
             ax.set_yticks(list(ys), [r["system"] for r in rows], fontsize=8)
@@ -153,7 +89,7 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
             ddp = [r for r in rows if r["system"] == "ddp"]
             if ddp:
                 ax.axvline(ddp[0]["samples_per_s"], color="black", linestyle="--", linewidth=0.8)
-            for y, r in zip(ys, rows):
+            for y, r in zip(ys, rows, strict=True):
                 ratio = r.get("samples_per_s_vs_ddp")
                 if ratio is not None:
                     ax.text(r["samples_per_s"], y, f" {ratio:.2f}x", va="center", fontsize=7)

@@ -2,8 +2,8 @@
 
 Spawns ``--workers`` local processes (gloo on loopback, one thread each) per system, trains a small MLP
 on scikit-learn's digits under each system in turn, then prints a table, writes
-``OUT/accuracy_vs_time.png`` and ``OUT/results.json``. See docs/demo.md for how to read them and
-``pyasync.experiments`` for what exactly is measured and how the straggler is injected.
+``OUT/accuracy_vs_time.png`` and ``OUT/results.json``. See docs/demo.md for how to read them, and the
+modules of ``pyasync.demo`` for what exactly is measured and how the straggler is injected.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pyasync import experiments as h
+from pyasync.demo.config import SystemSpec, TrainConfig, parse_systems
+from pyasync.demo.local import WorkerError, progress_bar, run_local, start_store_server
+from pyasync.demo.report import format_table, plot_curves
+from pyasync.demo.straggler import parse_straggler
 
 
 def _default_policies(workers: int) -> str:
@@ -48,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fix the straggler's injected delay per step (ms) instead of measuring it in the first run",
     )
-    d = h.TrainConfig
+    add_device_option(p)
+    d = TrainConfig
     p.add_argument(
         "--epochs",
         type=int,
@@ -83,61 +87,91 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_device_option(p: argparse.ArgumentParser, effect: str = "the straggler sleeps FACTOR x D") -> None:
+    """Add ``--device-ms D`` (Note [Emulated device]); ``effect`` says what it does to the slowdowns."""
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=None,
+        metavar="D",
+        help="emulated accelerator: every step sleeps D ms of simulated device compute, which leaves the "
+        f"CPU free ({effect}); default: off, CPU-only",
+    )
+
+
+def check_device_ms(args: argparse.Namespace) -> None:
+    """Reject a bad ``--device-ms`` or one given with ``--straggler-delay-ms``, naming the options."""
+    if args.device_ms is not None and not 0 < args.device_ms < float("inf"):
+        raise ValueError(f"--device-ms must be a finite number > 0 of milliseconds, got {args.device_ms}")
+    if args.device_ms is not None and args.straggler_delay_ms is not None:
+        raise ValueError(
+            "--straggler-delay-ms fixes the straggler's delay of the CPU-only mode; with --device-ms D the "
+            "straggler sleeps FACTOR x D per step"
+        )
+
+
+def train_config(
+    args: argparse.Namespace,
+    system: SystemSpec,
+    workers: int,
+    straggler: tuple[int, float] | None,
+    straggler_delay_s: float | None,
+) -> TrainConfig:
+    """The TrainConfig of one run from the training options that the demo and ``examples/train_digits.py``
+    share (``--epochs``, ``--batch-size``, ``--hidden``, ``--lr``, ``--momentum``, ``--seed``,
+    ``--timeout``, ``--device-ms``)."""
+    return TrainConfig(
+        system=system,
+        workers=workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        hidden=args.hidden,
+        lr=args.lr,
+        momentum=args.momentum,
+        seed=args.seed,
+        straggler=straggler,
+        straggler_delay_s=straggler_delay_s,
+        device_ms=args.device_ms,
+        timeout_s=args.timeout,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     """Run the demo; returns the records (also printed and written). Raises on bad options or failure."""
     args = build_parser().parse_args(argv)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    systems = h.parse_systems(args.policies or _default_policies(args.workers), args.workers)
-    straggler = h.parse_straggler(args.straggler or f"{min(3, args.workers - 1)}:3", args.workers)
+    systems = parse_systems(args.policies or _default_policies(args.workers), args.workers)
+    straggler = parse_straggler(args.straggler or f"{min(3, args.workers - 1)}:3", args.workers)
     delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
+    check_device_ms(args)
     os.makedirs(args.out, exist_ok=True)
 
-    from tqdm.auto import tqdm
-
-    store = h.start_store_server(args.timeout)
+    store = start_store_server(args.timeout)
     records = []
     for i, system in enumerate(systems):
-        cfg = h.TrainConfig(
-            system=system,
-            workers=args.workers,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            hidden=args.hidden,
-            lr=args.lr,
-            momentum=args.momentum,
-            seed=args.seed,
-            straggler=straggler,
-            straggler_delay_s=delay_s,
-            timeout_s=args.timeout,
-        )
-        n_train = len(h.load_digits_split(args.seed).x_train)
-        budget = args.epochs * h.steps_per_epoch(n_train, args.workers, args.batch_size) * args.workers
-        bar = tqdm(
-            total=budget * args.batch_size,
-            desc=f"{system.name:>12}",
-            unit="sample",
-            unit_scale=True,
-            disable=args.no_progress,
-            leave=True,
-            file=sys.stderr,
-        )
-
-        def advance(samples: int, bar=bar) -> None:
-            bar.update(max(0, samples - bar.n))
-
+        cfg = train_config(args, system, args.workers, straggler, delay_s)
+        total = cfg.budget(len(cfg.load_data().x_train)) * args.batch_size
+        bar, advance = progress_bar(total, f"{system.name:>12}", disable=args.no_progress)
         try:
-            record = h.run_local(
+            record = run_local(
                 cfg, store, prefix=f"run{i}/", progress=advance, run_timeout_s=args.run_timeout
             )
         finally:
             bar.close()
-        if straggler is not None and delay_s is None:
+        if straggler is not None and delay_s is None and args.device_ms is None:
             delay_s = record["straggler"]["delay_s"]  # Note [Straggler injection]: same delay for all
         records.append(record)
 
     print()
-    if straggler is not None:
+    if args.device_ms is not None:
+        print(f"emulated device: every step sleeps {args.device_ms:g} ms (see docs/demo.md)")
+        if straggler is not None:
+            print(
+                f"straggler: rank {straggler[0]} sleeps {straggler[1] * args.device_ms:.2f} ms per step "
+                f"({straggler[1]:g}x the device time)"
+            )
+    elif straggler is not None:
         print(
             f"straggler: rank {straggler[0]} sleeps {delay_s * 1e3:.2f} ms per step "
             + (
@@ -146,12 +180,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                 else f"({straggler[1]:g}x its measured compute time)"
             )
         )
-    print(h.format_table(records))
+    print(format_table(records))
     plot = os.path.join(args.out, "accuracy_vs_time.png")
     title = f"{args.workers} workers, " + (
         f"rank {straggler[0]} slowed {straggler[1]:g}x" if straggler else "no straggler"
     )
-    h.plot_curves(records, plot, title=title)
+    if args.device_ms is not None:
+        title += f", emulated device {args.device_ms:g} ms per step"
+    plot_curves(records, plot, title=title)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(records, f, indent=1)
     if args.json:
@@ -164,9 +200,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     return records
 
 
-if __name__ == "__main__":
+def cli(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` for the command line: bad options and failed runs print one error line; returns the
+    exit status (0, or 1 on an error)."""
     try:
-        main()
-    except (ValueError, h.WorkerError) as e:
+        main(argv)
+    except (ValueError, WorkerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        return 1
+    return 0

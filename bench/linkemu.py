@@ -1,7 +1,7 @@
-"""Link emulation: a sending NIC of fixed bandwidth in front of any Transport, to study slow links on one
-machine.
+"""Link emulation for the benchmarks: a sending NIC of fixed bandwidth in front of any Transport, to study
+slow links on one machine.
 
-    link = link_from_env()              # PYASYNC_LINK_GBPS=1: 1 Gbit/s
+    link = Link(1.0)                    # 1 Gbit/s, one per process
     opt = pyasync.DistributedOptimizer(
         sgd, transport=lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link))
 
@@ -20,8 +20,8 @@ Note [Link emulation]
     The emulated wire time is the one wait in the sender thread (a Condition wait until the message's
     time); ``send`` itself never blocks, as a NIC's queue does not. Messages are issued in the order they
     were reserved (one FIFO per process, reservation and enqueue under one lock), so every flow keeps its
-    order. The harness in ``pyasync.experiments`` uses the same :class:`Link` to delay DDP's all-reduce
-    futures, so both systems pay for their bytes alike.
+    order. The benchmark harness (``bench/harness/ddp.py``) uses the same :class:`Link` to delay DDP's
+    all-reduce futures, so both systems pay for their bytes alike.
 """
 
 from __future__ import annotations
@@ -31,20 +31,16 @@ import datetime
 import heapq
 import itertools
 import math
-import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
 from pyasync.transport.base import Handle, Transport
 
-__all__ = ["ENV_VAR", "Link", "ThrottledTransport", "complete_after", "link_from_env"]
-
-#: Environment variable read by :func:`link_from_env` (gigabits per second, e.g. ``1`` or ``0.1``).
-ENV_VAR = "PYASYNC_LINK_GBPS"
+__all__ = ["Link", "ThrottledTransport", "complete_after"]
 
 #: How long an idle background thread waits before it looks at its stop flag again (seconds).
 _IDLE_WAIT_S = 1.0
@@ -94,27 +90,6 @@ class Link:
 
     def __repr__(self) -> str:
         return f"Link(gbps={self.gbps:g})"
-
-
-def link_from_env(environ: Mapping[str, str] | None = None) -> Link | None:
-    """A :class:`Link` of ``PYASYNC_LINK_GBPS`` gigabits per second; None when it is unset or empty.
-
-    Raises ValueError naming the variable when its value is not a finite number > 0.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_VAR)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        gbps = float(raw)
-    except ValueError:
-        gbps = math.nan
-    if not math.isfinite(gbps) or gbps <= 0:
-        raise ValueError(
-            f"{ENV_VAR}={raw!r}: give the emulated link's bandwidth as a number > 0 of gigabits per "
-            f"second, e.g. {ENV_VAR}=1 or {ENV_VAR}=0.1 (unset or empty: no emulation)"
-        )
-    return Link(gbps)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,7 +192,7 @@ class ThrottledTransport(Transport):
                 _, buf, dst, flow, sub = self._queue.popleft()
             try:
                 inner = self.inner.send(buf, dst, flow, sub)
-            except BaseException as e:  # noqa: BLE001 - handed to the handle's wait()
+            except BaseException as e:  # handed to the handle's wait()
                 handle._settle(None, e)
             else:
                 handle._settle(inner, None)
@@ -291,7 +266,7 @@ class _Timer:
                 _, _, fn = heapq.heappop(self._heap)
             try:
                 fn()
-            except Exception as e:  # noqa: BLE001 - keep serving the other callbacks
+            except Exception as e:  # keep serving the other callbacks
                 warnings.warn(f"pyasync: a delayed completion failed: {e!r}", RuntimeWarning, stacklevel=1)
 
 
@@ -319,7 +294,7 @@ def complete_after(fut: torch.futures.Future, at: float) -> torch.futures.Future
     def settle(f: torch.futures.Future) -> None:
         try:
             value = f.value()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+        except BaseException as e:  # handed to the waiter
             out.set_exception(e)
             return
         if time.monotonic() >= at:

@@ -1,5 +1,5 @@
-"""DDP's side of the benchmarks: one communication hook that runs torch's all-reduce, fp16 or PowerSGD
-hook, counts what this rank sends, and charges it the wire time of an emulated link.
+"""DDP's side of the benchmark: one communication hook that runs torch's all-reduce, fp16 or PowerSGD
+hook, counts what this rank sends (the demo's ByteCount), and charges it the wire time of an emulated link.
 
 Note [DDP bytes and link time]
     Bytes are counted under the ring model, whatever algorithm gloo picks: an all-reduce of B bytes
@@ -11,7 +11,7 @@ Note [DDP bytes and link time]
       hook leaves uncompressed (biases, and matrices PowerSGD does not find worth compressing). That is
       the growth of ``PowerSGDState.total_numel_after_compression`` during the call, in elements of
       the bucket's dtype; the hook issues three all-reduces (uncompressed tensors, Ps, Qs).
-    With a :class:`pyasync.transport.throttle.Link`, the hook reserves those bytes on the link when it
+    With a :class:`linkemu.Link`, the hook reserves those bytes on the link when it
     is called and returns a future that completes no earlier than the link says their last byte
     left, and no earlier than the real all-reduce (``complete_after``): the backward pass is never
     blocked, and DDP's wait at the end of backward pays the wire time, as it would on a real network.
@@ -19,14 +19,15 @@ Note [DDP bytes and link time]
 
 from __future__ import annotations
 
+from linkemu import Link, complete_after
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from pyasync.transport.throttle import Link, complete_after
+from pyasync.demo.systems import ByteCount
 
 __all__ = ["DdpCommState", "ddp_comm_hook"]
 
 
-class DdpCommState:
+class DdpCommState(ByteCount):
     """State of :func:`ddp_comm_hook`: which hook runs, the bytes this rank sent, the link.
 
     ``kind`` is "allreduce", "fp16" or "powersgd"; ``powersgd_rank`` and ``powersgd_warmup`` configure
@@ -45,11 +46,9 @@ class DdpCommState:
     ) -> None:
         if kind not in ("allreduce", "fp16", "powersgd"):
             raise ValueError(f"kind must be 'allreduce', 'fp16' or 'powersgd', got {kind!r}")
+        super().__init__(world)
         self.kind = kind
         self.link = link
-        self.factor = 2.0 * (world - 1) / world  # ring all-reduce: bytes sent per byte reduced
-        self.bytes_sent = 0.0  # bytes this rank sent, under the ring model
-        self.buckets = 0  # hook calls
         self.compressed_buckets = 0  # PowerSGD calls past the warm-up
         self.powersgd = None
         if kind == "powersgd":
@@ -62,7 +61,8 @@ class DdpCommState:
 
 
 def ddp_comm_hook(state, bucket):  # no annotations: DDP checks them against its own types
-    """DDP communication hook: ``state.kind``'s torch hook, counted and (with a link) throttled."""
+    """DDP communication hook: ``state.kind``'s torch hook, counted and (with a link) held for its wire
+    time."""
     buf = bucket.buffer()
     if state.kind == "allreduce":
         payload = buf.numel() * buf.element_size()
@@ -80,10 +80,7 @@ def ddp_comm_hook(state, bucket):  # no annotations: DDP checks them against its
         else:
             payload = (ps.total_numel_after_compression - before) * buf.element_size()
             state.compressed_buckets += 1
-    sent = payload * state.factor
-    state.bytes_sent += sent
-    state.buckets += 1
+    sent = state.count(payload)
     if state.link is not None:
-        fut = complete_after(fut, state.link.reserve(int(round(sent))))
+        fut = complete_after(fut, state.link.reserve(round(sent)))
     return fut
-

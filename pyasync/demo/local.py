@@ -13,9 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pyasync.experiments.train import calibrate_worker, join_run, train_worker
-from pyasync.experiments.workload import Digits, TrainConfig, load_split
-from pyasync.transport.throttle import ENV_VAR as LINK_ENV_VAR
+from pyasync.demo.config import TrainConfig
+from pyasync.demo.data import Digits
+from pyasync.demo.train import join_run, train_worker
+
+#: What a local run executes on every rank: ``worker(cfg, rank, store, progress, data)`` returns rank 0's
+#: result (None elsewhere). It must be a module-level function (it is pickled by name for the workers).
+Worker = Callable[[TrainConfig, int, dist.Store, Callable[[int], None] | None, Digits], Any]
 
 
 def start_store_server(timeout_s: float = 60.0) -> dist.TCPStore:
@@ -30,20 +34,15 @@ class WorkerError(RuntimeError):
 
 
 def _local_worker(
-    rank: int, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any, job: str
+    rank: int, worker: Worker, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    if cfg.bandwidth_gbps is not None:
-        os.environ[LINK_ENV_VAR] = repr(cfg.bandwidth_gbps)  # see Note [Emulated link]
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=cfg.timeout_s))
     store = join_run(base, prefix, rank, cfg.workers, cfg.timeout_s)
-    if job == "calibrate":
-        record = calibrate_worker(cfg, rank, data)
-    else:
-        progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
-        record = train_worker(cfg, rank, store, progress, data)
+    progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
+    record = worker(cfg, rank, store, progress, data)
     if rank == 0:
         queue.put(("result", record))
     dist.destroy_process_group()
@@ -62,28 +61,25 @@ def run_local(
     prefix: str,
     progress: Callable[[int], None] | None = None,
     run_timeout_s: float = 600.0,
-) -> dict[str, Any]:
-    """Train ``cfg`` with ``cfg.workers`` spawned local processes; returns rank 0's record.
+    worker: Worker = train_worker,
+    label: str | None = None,
+) -> Any:
+    """Run ``worker`` (default :func:`train_worker`: train ``cfg``) on ``cfg.workers`` spawned local
+    processes; returns rank 0's result (a record).
 
     ``store`` is a server from :func:`start_store_server` (kept by the caller across runs); ``prefix``
     must be unique per run. ``progress(samples)`` is called in this process as training advances.
     Raises :class:`WorkerError` with the worker's traceback when a worker fails, and when the run takes
-    longer than ``run_timeout_s`` seconds (the workers are terminated either way).
+    longer than ``run_timeout_s`` seconds (the workers are terminated either way). ``label`` names the
+    run in errors (default: ``run 'SYSTEM'``).
     """
-    return _spawn("train", cfg, store, prefix, progress, run_timeout_s)
-
-
-def calibrate_local(
-    cfg: TrainConfig, store: dist.TCPStore, prefix: str, run_timeout_s: float = 600.0
-) -> list[float]:
-    """Each of ``cfg.workers`` spawned local processes times steps of ``cfg``'s model at the same time
-    (the CPU contention of training, no communication); returns every rank's median step time (s).
-    See Note [Straggler injection]. Raises :class:`WorkerError` like :func:`run_local`."""
-    return _spawn("calibrate", cfg, store, prefix, None, run_timeout_s)
+    label = f"run {cfg.system.name!r}" if label is None else label
+    return _spawn(worker, label, cfg, store, prefix, progress, run_timeout_s)
 
 
 def _spawn(
-    job: str,
+    worker: Worker,
+    label: str,
     cfg: TrainConfig,
     store: dist.TCPStore,
     prefix: str,
@@ -93,12 +89,11 @@ def _spawn(
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    label = f"run {cfg.system.name!r}" if job == "train" else f"calibration of model {cfg.model!r}"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = mp.start_processes(
         _local_worker,
-        args=(cfg, load_split(cfg.model, cfg.seed), store.port, prefix, queue, job),
+        args=(worker, cfg, cfg.load_data(), store.port, prefix, queue),
         nprocs=cfg.workers,
         join=False,
         start_method="spawn",
@@ -147,3 +142,24 @@ def _spawn(
     if record is None:
         raise WorkerError(f"{label}: workers exited without a result")
     return record
+
+
+def progress_bar(total_samples: int, desc: str, disable: bool = False, leave: bool = True):
+    """A tqdm bar of samples on stderr, and the ``progress(samples)`` callback that moves it to
+    ``samples`` (the count the cluster has claimed so far). Close the bar when done."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=total_samples,
+        desc=desc,
+        unit="sample",
+        unit_scale=True,
+        disable=disable,
+        leave=leave,
+        file=sys.stderr,
+    )
+
+    def advance(samples: int) -> None:
+        bar.update(max(0, samples - bar.n))
+
+    return bar, advance

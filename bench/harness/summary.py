@@ -1,5 +1,5 @@
-"""The end-to-end benchmark's pieces (``python bench/e2e.py``): scenarios, system lists, time to target,
-ratios against DDP and the summary table. docs/benchmarks.md describes the benchmark.
+"""The end-to-end benchmark's summary (``python bench/e2e.py``): targets, time to target, ratios against DDP
+and the summary table. docs/benchmarks.md describes the benchmark.
 
 Note [Time to target]
     Rank 0 snapshots its parameters every ``eval_every`` of its steps (about ``eval_points`` times per
@@ -12,74 +12,10 @@ Note [Time to target]
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "SCENARIOS",
-    "Scenario",
-    "add_ratios",
-    "default_systems",
-    "format_summary",
-    "parse_scenarios",
-    "parse_targets",
-    "time_to_target",
-]
-
-#: Scenario names, in the order the benchmark runs them.
-SCENARIOS = ("equal", "slow2x", "transient")
-
-#: The transient scenario: each step of each rank is 5x slower with probability 0.1.
-TRANSIENT = (0.1, 5.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """How the workers are slowed down; the same for every system of a run."""
-
-    name: str  # one of SCENARIOS
-    straggler: tuple[int, float] | None  # (rank, factor): that rank's steps take factor x C
-    transient: tuple[float, float] | None  # (prob, factor): any step of any rank, see workload.py
-    about: str  # one line, for tables and plots
-
-
-def scenario(name: str, workers: int) -> Scenario:
-    """The scenario ``name`` for ``workers`` ranks; the persistent straggler is the last rank."""
-    if name == "equal":
-        return Scenario(name, None, None, "all workers at equal speed")
-    if name == "slow2x":
-        return Scenario(name, (workers - 1, 2.0), None, f"rank {workers - 1} persistently 2x slower")
-    if name == "transient":
-        prob, factor = TRANSIENT
-        return Scenario(
-            name, None, TRANSIENT, f"each step of each worker {factor:g}x slower with probability {prob:g}"
-        )
-    raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
-
-
-def parse_scenarios(text: str, workers: int) -> list[Scenario]:
-    """A comma-separated list of scenario names (unique, at least one)."""
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if not names:
-        raise ValueError(f"--scenarios: give at least one of {', '.join(SCENARIOS)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--scenarios: names must be unique, got {names}")
-    return [scenario(n, workers) for n in names]
-
-
-def default_systems(workers: int, quick: bool = False) -> str:
-    """The systems the benchmark runs by default, as a comma list of system names.
-
-    Full: DDP with its three hooks; BSP, SSP(2), ASP and Quorum(n-1), each without compression, with
-    int8 and with top-k 1%; hivemind. Quick: still every kind (each DDP hook, each policy, each
-    compression, hivemind), but each policy with one compression.
-    """
-    q = f"quorum:{max(1, workers - 1)}"
-    if quick:
-        return f"ddp,ddp+fp16,ddp+powersgd,bsp,ssp:2+int8,asp+topk:0.01,{q},hivemind"
-    pyasync = [f"{p}{c}" for p in ("bsp", "ssp:2", "asp", q) for c in ("", "+int8", "+topk:0.01")]
-    return ",".join(["ddp", "ddp+fp16", "ddp+powersgd", *pyasync, "hivemind"])
+__all__ = ["add_ratios", "format_summary", "parse_targets", "time_to_target"]
 
 
 def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
@@ -120,13 +56,13 @@ def time_to_target(curve: Sequence[Mapping[str, float]], target: float) -> float
 
 
 def _group(r: Mapping[str, Any]) -> tuple:
-    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"))
+    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"), r.get("device_ms"))
 
 
 def add_ratios(records: Sequence[dict[str, Any]], baseline: str = "ddp") -> None:
     """Set ``samples_per_s_vs_ddp`` and ``time_to_target_vs_ddp`` on every record (in place): the
-    record's samples/s and time to target over those of ``baseline`` in the same model, scenario and
-    bandwidth, measured in the same invocation. None where either side is missing."""
+    record's samples/s and time to target over those of ``baseline`` in the same model, scenario,
+    bandwidth and emulated device time, measured in the same invocation. None where either side is missing."""
     base = {_group(r): r for r in records if r.get("system") == baseline and not r.get("skipped")}
     for r in records:
         b = base.get(_group(r))
@@ -151,10 +87,15 @@ _SUMMARY = (
     ("pushes_dropped", "dropped", "{}"),
 )
 
+#: The emulated device's time per step, a column when some record has one.
+_DEVICE = ("device_ms", "device ms", "{:g}")
+
 
 def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
     if key in ("model", "scenario", "system"):
         return str(r.get(key))
+    if key == "device_ms":  # a property of the run: shown for skipped and failed runs too
+        return "-" if r.get(key) is None else fmt.format(r[key])
     if r.get("skipped"):
         return "skipped" if key == "samples_per_s" else "-"
     if r.get("error"):
@@ -168,12 +109,18 @@ def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
 
 
 def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
-    """The summary table: one row per run; ratios against DDP in the same model and scenario."""
-    head = [title for _, title, _ in _SUMMARY]
-    rows = [[_cell(r, k, fmt) for k, _, fmt in _SUMMARY] for r in records]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    """The summary table: one row per run; ratios against DDP in the same model and scenario. A last
+    column gives the emulated device's ms per step when some record has one."""
+    columns = _SUMMARY
+    if any(r.get("device_ms") is not None for r in records):
+        columns = (*columns, _DEVICE)
+    head = [title for _, title, _ in columns]
+    rows = [[_cell(r, k, fmt) for k, _, fmt in columns] for r in records]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(
+            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])

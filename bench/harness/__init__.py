@@ -1,0 +1,14 @@
+"""The end-to-end benchmark's harness (``python bench/e2e.py``), built on the demo's pieces
+(``pyasync.demo``).
+
+Import it with ``bench/`` on ``sys.path`` (as ``bench/e2e.py`` and the tests do): its modules import the
+link emulator as ``linkemu``, and spawned workers find ``harness`` through the inherited ``sys.path``.
+
+- ``workload``: the wide model and its teacher task, DDP hooks and hivemind as systems, BenchConfig;
+- ``slowdowns``: seeded transient slowdowns on top of the demo's straggler;
+- ``ddp``: DDP's communication hook (all-reduce, fp16, PowerSGD) with byte counts and link time;
+- ``train``: one run on one rank (the demo's loop with the benchmark's systems), calibration, local runs;
+- ``scenarios``: the scenarios and default system lists;
+- ``summary``: time to target, ratios against DDP, the summary table;
+- ``plots``: accuracy against time and throughput per model.
+"""

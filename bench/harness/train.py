@@ -1,0 +1,206 @@
+"""One benchmark run on one rank: the demo's set-up, timed loop and record (``pyasync.demo.train``,
+``pyasync.demo.record``) with the benchmark's systems (DDP hooks, hivemind), slowdowns and emulated link.
+
+Note [Emulated link]
+    With ``BenchConfig.bandwidth_gbps`` set, every rank's sends go through one emulated link of that
+    bandwidth (one :class:`linkemu.Link` per process): the harness hands pyasync's DistributedOptimizer
+    a transport factory that wraps gloo in ``ThrottledTransport``, and DDP's hook delays each
+    all-reduce's future by the wire time of what this rank sends. See Note [Link emulation] in
+    ``bench/linkemu.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from linkemu import Link, ThrottledTransport
+from torch import nn
+
+from pyasync.demo.data import Digits
+from pyasync.demo.local import run_local
+from pyasync.demo.record import gather_rank_stats, make_record
+from pyasync.demo.straggler import measure_all_ranks
+from pyasync.demo.systems import Trainer, build_ddp, build_pyasync
+from pyasync.demo.train import RankRun, setup, timed_loop
+from pyasync.transport.gloo import GlooTransport
+
+from .ddp import DdpCommState, ddp_comm_hook
+from .slowdowns import plan_slowdowns
+from .workload import MODELS, BenchConfig, powersgd_warmup
+
+
+def gloo_behind_link(link: Link):
+    """A transport factory for pyasync: gloo behind the emulated ``link`` (see Note [Emulated link])."""
+    return lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link)
+
+
+def _hivemind_trainer(cfg: BenchConfig, model: nn.Module, rank: int, store: dist.Store) -> Trainer:
+    """``hivemind.Optimizer`` for ``model``: rank 0 starts a DHT on loopback, the others join it.
+
+    hivemind's default (synchronous) mode: gradients are accumulated until the swarm has processed
+    ``batch_size * workers`` samples, then averaged by an all-reduce among the peers found by
+    matchmaking, as one global step of the same size as DDP's. Needs ``import hivemind``.
+    """
+    import hivemind
+
+    host = ["/ip4/127.0.0.1/tcp/0"]
+    if rank == 0:
+        dht = hivemind.DHT(host_maddrs=host, start=True)
+        peers = [str(a) for a in dht.get_visible_maddrs()]
+        run_id = f"pyasync-{cfg.system.name}-{os.getpid()}-{time.time_ns()}"
+        store.set("hivemind", json.dumps({"peers": peers, "run_id": run_id}))
+    else:
+        store.wait(["hivemind"], datetime.timedelta(seconds=cfg.timeout_s))
+        info = json.loads(store.get("hivemind"))
+        run_id = info["run_id"]
+        dht = hivemind.DHT(host_maddrs=host, initial_peers=info["peers"], start=True)
+    lr, momentum = cfg.lr, cfg.momentum
+    opt = hivemind.Optimizer(
+        dht=dht,
+        run_id=run_id,
+        batch_size_per_step=cfg.batch_size,
+        target_batch_size=cfg.batch_size * cfg.workers,
+        params=model.parameters(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
+        matchmaking_time=1.0,
+        averaging_timeout=cfg.timeout_s,
+        verbose=False,
+    )
+
+    def shutdown() -> None:
+        opt.shutdown()
+        dht.shutdown()
+
+    return Trainer(net=model, opt=opt, shutdown=shutdown)
+
+
+def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link | None) -> Trainer:
+    """DDP with ``cfg.system``'s hook, pyasync, or hivemind; behind ``link`` when given."""
+    if cfg.system.is_ddp:
+        warmup = None
+        if cfg.system.ddp_hook == "powersgd":
+            warmup = cfg.powersgd_warmup if cfg.powersgd_warmup is not None else powersgd_warmup(run.my_steps)
+        state = DdpCommState(
+            cfg.system.ddp_hook,
+            run.world,
+            link=link,
+            powersgd_rank=cfg.system.powersgd_rank or 2,
+            powersgd_warmup=warmup or 10,
+            seed=cfg.seed,
+        )
+        ddp_kwargs: dict[str, Any] = {}
+        if state.kind == "powersgd":
+            # PowerSGD issues its Q all-reduce from the P all-reduce's completion callback: with two
+            # buckets in flight on gloo, ranks may then order their collectives differently (gloo
+            # aborts with a size mismatch). One bucket holding every gradient keeps the order fixed.
+            nbytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
+            ddp_kwargs["bucket_cap_mb"] = max(25.0, nbytes / 2**20 + 1.0)
+        return build_ddp(run.model, cfg, state, ddp_comm_hook, **ddp_kwargs)
+    if cfg.system.is_pyasync:
+        return build_pyasync(run.model, cfg, transport=None if link is None else gloo_behind_link(link))
+    return _hivemind_trainer(cfg, run.model, run.rank, store)
+
+
+def bench_worker(
+    cfg: BenchConfig,
+    rank: int,
+    store: dist.Store,
+    progress: Callable[[int], None] | None = None,
+    data: Digits | None = None,
+) -> dict[str, Any] | None:
+    """Train ``cfg`` on this rank, as ``pyasync.demo.train.train_worker`` does, with the benchmark's
+    systems, slowdowns and link; rank 0 returns the record (None elsewhere).
+
+    The record is the demo's (``pyasync.demo.record.make_record``) plus ``model``, ``transient`` (prob,
+    factor, ``delay_s``: the extra sleep of a slow step, ``slow_steps_per_rank``), ``bandwidth_gbps``,
+    ``ddp_hook`` (kind, buckets per step, PowerSGD rank, warm-up and compressed buckets), ``speeds``
+    (each rank's slowdown factor, see Note [Rank speeds]) and ``config.model`` / ``config.data``.
+    """
+    run = setup(cfg, rank, data)
+    injected, sleeps = plan_slowdowns(cfg, run)
+    link = None if cfg.bandwidth_gbps is None else Link(cfg.bandwidth_gbps)
+    trainer = build_trainer(cfg, run, store, link)
+    loop = timed_loop(cfg, run, trainer, store, sleeps, progress)
+    slow = gather_rank_stats({"slow_steps": sleeps.slow_steps}, ("slow_steps",))
+    slow_steps = [int(r["slow_steps"]) for r in slow]
+    record = make_record(cfg, run, trainer, loop, injected, progress)
+    if record is None:
+        return None
+    comm = trainer.ddp_bytes
+    transient = (
+        None
+        if cfg.transient is None
+        else {
+            "prob": cfg.transient[0],
+            "factor": cfg.transient[1],
+            "delay_s": sleeps.transient_s,
+            "slow_steps_per_rank": slow_steps,
+        }
+    )
+    ddp_hook = (
+        None
+        if comm is None
+        else {
+            "kind": comm.kind,
+            "buckets_per_step": comm.buckets / max(1, loop.steps),
+            "powersgd_rank": cfg.system.powersgd_rank,
+            "powersgd_warmup": None if comm.powersgd is None else comm.powersgd.start_powerSGD_iter,
+            "powersgd_compressed_buckets": comm.compressed_buckets if comm.powersgd is not None else None,
+        }
+    )
+    record["config"] = {"model": cfg.model, "data": MODELS[cfg.model].data, **record["config"]}
+    extras = {  # placed after the demo's field they follow, in the order the benchmark has always used
+        "kind": {"model": cfg.model},
+        "straggler": {"transient": transient, "speeds": None if cfg.speeds is None else list(cfg.speeds)},
+        "compute_s_per_rank": {"bandwidth_gbps": None if link is None else link.gbps, "ddp_hook": ddp_hook},
+    }
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        out[key] = value
+        out.update(extras.get(key, {}))
+    return out
+
+
+def calibrate_worker(
+    cfg: BenchConfig,
+    rank: int,
+    store: dist.Store,
+    progress: Callable[[int], None] | None = None,
+    data: Digits | None = None,
+) -> list[float] | None:
+    """Every rank times local steps of ``cfg``'s model at the same time (no communication, see
+    ``pyasync.demo.straggler.measure_compute_s``); rank 0 returns each rank's median step time in
+    seconds, others None."""
+    run = setup(cfg, rank, data)
+    dist.barrier()
+    measured = measure_all_ranks(cfg, run.model, run.x, run.y)
+    return measured if rank == 0 else None
+
+
+def run_bench(
+    cfg: BenchConfig,
+    store: dist.TCPStore,
+    prefix: str,
+    progress: Callable[[int], None] | None = None,
+    run_timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """Train ``cfg`` with spawned local processes (``pyasync.demo.local.run_local`` running
+    :func:`bench_worker`); returns rank 0's record. Raises ``WorkerError`` like ``run_local``."""
+    return run_local(cfg, store, prefix, progress, run_timeout_s, worker=bench_worker)
+
+
+def calibrate_local(
+    cfg: BenchConfig, store: dist.TCPStore, prefix: str, run_timeout_s: float = 900.0
+) -> list[float]:
+    """Each of ``cfg.workers`` spawned local processes times steps of ``cfg``'s model at the same time
+    (the CPU contention of training, no communication); returns every rank's median step time (s).
+    See Note [Straggler injection]. Raises ``WorkerError`` like ``run_local``."""
+    label = f"calibration of model {cfg.model!r}"
+    return run_local(cfg, store, prefix, None, run_timeout_s, worker=calibrate_worker, label=label)

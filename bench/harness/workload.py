@@ -1,0 +1,227 @@
+"""The benchmark's workloads and options on top of the demo's: a second (wide) model on a synthetic teacher
+task, DDP's compression hooks and hivemind as systems, and :class:`BenchConfig`, the demo's
+TrainConfig with the benchmark's slowdowns, link and model."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from pyasync.demo.config import SystemSpec, TrainConfig
+from pyasync.demo.config import parse_system as parse_demo_system
+from pyasync.demo.config import parse_systems as parse_demo_systems
+from pyasync.demo.data import Digits, load_digits_split
+
+# ---------------------------------------------------------------------------------------------------
+# Systems: the demo's, plus DDP's compression hooks and hivemind
+# ---------------------------------------------------------------------------------------------------
+
+#: PowerSGD rank of ``ddp+powersgd`` (rank 2 keeps ~99% of this MLP's bytes off the wire).
+DEFAULT_POWERSGD_RANK = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSystem(SystemSpec):
+    """A system of the benchmark: the demo's kinds, ``ddp`` with a compression hook (``compression`` holds
+    ``fp16`` or ``powersgd:RANK``), or ``kind="hivemind"`` (hivemind.Optimizer)."""
+
+    @property
+    def ddp_hook(self) -> str | None:
+        """DDP's communication hook: "allreduce", "fp16" or "powersgd"; None for other systems."""
+        if not self.is_ddp:
+            return None
+        return "allreduce" if self.compression is None else self.compression.split(":")[0]
+
+    @property
+    def powersgd_rank(self) -> int | None:
+        """PowerSGD's matrix approximation rank (``ddp+powersgd:RANK``, default 2); None otherwise."""
+        if self.ddp_hook != "powersgd":
+            return None
+        _, _, rank = self.compression.partition(":")
+        return int(rank) if rank else DEFAULT_POWERSGD_RANK
+
+
+def _parse_ddp_hook(name: str, codec: str) -> str:
+    """The normalised DDP hook spec of ``ddp+CODEC``: "fp16" or "powersgd:RANK"."""
+    head, colon, arg = codec.partition(":")
+    if head == "fp16" and not colon:
+        return "fp16"
+    if head == "powersgd":
+        try:
+            rank = int(arg) if colon else DEFAULT_POWERSGD_RANK
+        except ValueError:
+            rank = 0
+        if rank >= 1:
+            return f"powersgd:{rank}"
+        raise ValueError(f"system {name!r}: PowerSGD rank must be an int >= 1, e.g. ddp+powersgd:2")
+    raise ValueError(
+        f"system {name!r}: ddp takes +fp16 or +powersgd[:RANK] (its communication hooks); compression "
+        f"{codec!r} applies to pyasync policies, not to ddp"
+    )
+
+
+def parse_system(token: str, workers: int) -> BenchSystem:
+    """Parse one system name: the demo's (``ddp``, or a pyasync policy optionally ``+COMPRESSION``, see
+    ``pyasync.demo.config.parse_system``), ``ddp+fp16``, ``ddp+powersgd[:RANK]`` or ``hivemind``.
+
+    ``ddp+fp16`` and ``ddp+powersgd`` are DDP with torch's ``fp16_compress_hook`` and ``powerSGD_hook``
+    (rank 2 unless given). Raises ValueError naming the token.
+    """
+    name = token.strip()
+    base, plus, codec = name.lower().partition("+")
+    if base == "ddp" and plus:
+        hook = _parse_ddp_hook(name, codec)
+        return BenchSystem(name=name, policy=None, compression=hook, synchronous=True, kind="ddp")
+    if base == "hivemind":
+        if plus:
+            raise ValueError(f"system {name!r}: hivemind runs without compression here")
+        return BenchSystem(name=name, policy=None, compression=None, synchronous=False, kind="hivemind")
+    try:
+        spec = parse_demo_system(name, workers)
+    except ValueError as e:
+        raise ValueError(f"{e} (the benchmark also runs 'ddp+fp16', 'ddp+powersgd' and 'hivemind')") from None
+    return BenchSystem(**dataclasses.asdict(spec))
+
+
+def parse_systems(text: str, workers: int) -> list[BenchSystem]:
+    """A comma-separated list of :func:`parse_system` names (unique, at least one)."""
+    return parse_demo_systems(text, workers, parse_system)
+
+
+def powersgd_warmup(steps_per_rank: int) -> int:
+    """Default ``start_powerSGD_iter`` of ``ddp+powersgd``: 10 plain all-reduce steps, at most ~10% of
+    the run, at least 2 (PowerSGD requires > 1 with error feedback). They are timed and counted."""
+    return max(2, min(10, steps_per_rank // 10))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def load_teacher_split(
+    seed: int = 0,
+    n_train: int = 8192,
+    n_test: int = 2048,
+    features: int = 256,
+    latent: int = 16,
+    ambiguous: float = 0.25,
+) -> Digits:
+    """A synthetic 10-class task whose labels come from a fixed random teacher network (``seed``).
+
+    Inputs are ``x = z A + 0.1 e`` with ``z`` of ``latent`` standard normal coordinates, ``A`` a fixed
+    random ``latent x features`` map and ``e`` standard normal noise in every feature. The teacher is a
+    random MLP ``latent -> 32 (tanh) -> 10`` on ``z``; its logits are centred over the data and the
+    label is their argmax. The ``ambiguous`` fraction of samples with the smallest gap between the two
+    largest teacher logits is dropped, so the task has margins and high accuracy is reachable (a
+    single-process run of the default wide MLP with the same global batch reaches ~0.90 test accuracy in
+    2 epochs and ~0.96 in 4). Deterministic for a given seed.
+    """
+    if not 0 <= ambiguous < 1:
+        raise ValueError(f"ambiguous must be in [0, 1), got {ambiguous}")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7919)
+    a = torch.randn(latent, features, generator=g) / math.sqrt(latent)
+    w1 = torch.randn(latent, 32, generator=g) / math.sqrt(latent)
+    w2 = torch.randn(32, 10, generator=g) / math.sqrt(32)
+    need = n_train + n_test
+    n = math.ceil(need / (1 - ambiguous)) + 16
+    z = torch.randn(n, latent, generator=g)
+    x = z @ a + 0.1 * torch.randn(n, features, generator=g)
+    logits = torch.tanh(0.5 * (z @ w1)) @ w2
+    logits = logits - logits.mean(0)
+    top2 = logits.topk(2, dim=1).values
+    gap = top2[:, 0] - top2[:, 1]
+    keep = torch.argsort(gap, descending=True, stable=True)[:need]
+    keep = keep.sort().values  # original (random) order
+    x, y = x[keep].contiguous(), logits[keep].argmax(1)
+    return Digits(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One workload of the benchmarks: a data set and the MLP trained on it."""
+
+    name: str  # key of MODELS
+    features: int  # input width of the MLP
+    hidden: int  # default width of its two hidden layers
+    lr: float  # default SGD learning rate
+    target: float  # default target test accuracy for time-to-target (reachable in the default budget)
+    epochs: int  # default budget of python bench/e2e.py (passes over the training set)
+    data: str  # what it trains on, in words
+
+
+#: The workloads. "mlp" is the demo's (digits, ~300K parameters, 1.2 MB); "wide" has ~4.7M parameters
+#: (19 MB of fp32 gradients per step) on the teacher task, where the wire starts to matter.
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec("mlp", 64, 512, 0.2, 0.95, 20, "scikit-learn digits (8x8 images)"),
+    "wide": ModelSpec("wide", 256, 2048, 0.05, 0.90, 6, "synthetic teacher task (256 features)"),
+}
+
+
+def load_split(model: str, seed: int = 0) -> Digits:
+    """The data set of workload ``model`` (a key of MODELS), split with ``seed``."""
+    if model == "mlp":
+        return load_digits_split(seed)
+    if model == "wide":
+        return load_teacher_split(seed)
+    raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run's options
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig(TrainConfig):
+    """The demo's TrainConfig plus the benchmark's model, slowdowns, DDP hooks and link; the same on every
+    rank."""
+
+    model: str = "mlp"  # workload, a key of MODELS: "mlp" (digits) or "wide" (synthetic teacher task)
+    transient: tuple[float, float] | None = None  # (prob, factor), see Note [Transient slowdowns]
+    compute_s: float | None = None  # compute time C of one step (s) for injected delays; None: measure
+    powersgd_warmup: int | None = None  # ddp+powersgd: all-reduce steps first; None: see powersgd_warmup
+    bandwidth_gbps: float | None = None  # Gbit/s of each rank's emulated sending link; None: no emulation
+    speeds: tuple[float, ...] | None = None  # slowdown factor of each rank (>= 1), see Note [Rank speeds]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.transient is not None:
+            prob, factor = self.transient
+            if not 0 <= prob <= 1 or not 1 <= factor < math.inf:
+                raise ValueError(
+                    f"transient must be (prob, factor) with 0 <= prob <= 1 and a finite factor >= 1, got "
+                    f"{self.transient}"
+                )
+        if self.compute_s is not None and not self.compute_s >= 0:
+            raise ValueError(f"compute_s must be >= 0 seconds, got {self.compute_s}")
+        if self.compute_s is not None and self.device_ms is not None:
+            raise ValueError(
+                "compute_s is C of the CPU-only mode; with device_ms every slowdown is a multiple of D "
+                "(see Note [Emulated device])"
+            )
+        if self.speeds is not None and (
+            len(self.speeds) != self.workers or not all(1 <= f < math.inf for f in self.speeds)
+        ):
+            raise ValueError(
+                f"speeds must give a finite factor >= 1 for each of the {self.workers} workers, got "
+                f"{self.speeds}"
+            )
+        if self.bandwidth_gbps is not None and not 0 < self.bandwidth_gbps < math.inf:
+            raise ValueError(
+                f"bandwidth_gbps must be a finite number > 0 (Gbit/s), got {self.bandwidth_gbps}"
+            )
+        if self.powersgd_warmup is not None and self.powersgd_warmup < 2:
+            raise ValueError(
+                f"powersgd_warmup must be >= 2 steps (PowerSGD's rule), got {self.powersgd_warmup}"
+            )
+
+    def load_data(self) -> Digits:
+        """The data set of ``model``, split with ``seed``."""
+        return load_split(self.model, self.seed)
