@@ -154,15 +154,16 @@ class ThrottledTransport(Transport):
         self.link = link
         self.rank = inner.rank
         self.world_size = inner.world_size
+        self.host_buffers = inner.host_buffers  # staging is the wrapped transport's
         self._close_timeout_s = close_timeout_s
         self._cond = threading.Condition()
-        self._queue: collections.deque = collections.deque()  # (handle, buf, dst, flow, sub), by time
+        self._queue: collections.deque = collections.deque()  # (handle, buf, dst, flow), by time
         self._closing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="pyasync-link", daemon=True)
         self._thread.start()
 
-    def send(self, buf: torch.Tensor, dst: int, flow: str, sub: int = 0) -> Handle:
+    def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
         nbytes = buf.numel() * buf.element_size()
         with self._cond:
             if self._closing:
@@ -170,7 +171,7 @@ class ThrottledTransport(Transport):
             # Reserve and enqueue under one lock: the FIFO is in reservation (= time) order.
             at = self.link.reserve(nbytes)
             handle = _ThrottledHandle(nbytes, dst, flow, at)
-            self._queue.append((handle, buf, dst, flow, sub))
+            self._queue.append((handle, buf, dst, flow))
             self._cond.notify_all()
         return handle
 
@@ -189,9 +190,9 @@ class ThrottledTransport(Transport):
                     # The emulated wire time; a close wakes it up.
                     self._cond.wait(left)
                     continue
-                _, buf, dst, flow, sub = self._queue.popleft()
+                _, buf, dst, flow = self._queue.popleft()
             try:
-                inner = self.inner.send(buf, dst, flow, sub)
+                inner = self.inner.send(buf, dst, flow)
             except BaseException as e:  # handed to the handle's wait()
                 handle._settle(None, e)
             else:
@@ -210,10 +211,9 @@ class ThrottledTransport(Transport):
         buf: torch.Tensor,
         src: int,
         flow: str,
-        sub: int = 0,
         timeout: datetime.timedelta | None = None,
     ) -> None:
-        self.inner.recv(buf, src, flow, sub, timeout)
+        self.inner.recv(buf, src, flow, timeout)
 
     def recv_any(self, buf: torch.Tensor, flow: str) -> int:
         return self.inner.recv_any(buf, flow)

@@ -118,18 +118,18 @@ class FakeTransport(Transport):
         self.closed = False
         self.recvs: list[tuple] = []
 
-    def send(self, buf, dst, flow, sub=0):
+    def send(self, buf, dst, flow):
         if self.fail_next is not None:
             e, self.fail_next = self.fail_next, None
             raise e
-        self.sent.append((time.monotonic(), buf.tolist(), dst, flow, sub))
+        self.sent.append((time.monotonic(), buf.tolist(), dst, flow))
         done = self.hold if self.hold is not None else threading.Event()
         if self.hold is None:
             done.set()
         return FakeHandle(done)
 
-    def recv(self, buf, src, flow, sub=0, timeout=None):
-        self.recvs.append(("recv", src, flow, sub, timeout))
+    def recv(self, buf, src, flow, timeout=None):
+        self.recvs.append(("recv", src, flow, timeout))
         buf.fill_(7)
 
     def recv_any(self, buf, flow):
@@ -152,7 +152,7 @@ def test_sends_leave_at_link_time_in_order():
     try:
         t0 = time.monotonic()
         handles = [
-            tr.send(torch.full((250,), i, dtype=torch.int32), 1, flow, sub=i % 2)
+            tr.send(torch.full((250,), i, dtype=torch.int32), 1, flow)
             for i, flow in enumerate(["push", "push", "push", "reply", "push"])
         ]
         assert time.monotonic() - t0 < msg_s  # send() never waits for the link
@@ -162,7 +162,6 @@ def test_sends_leave_at_link_time_in_order():
             assert time.monotonic() - t0 >= (i + 1) * msg_s - 1e-3
         assert [s[1][0] for s in inner.sent] == [0, 1, 2, 3, 4]  # FIFO: order kept
         assert [s[3] for s in inner.sent] == ["push", "push", "push", "reply", "push"]
-        assert [s[4] for s in inner.sent] == [0, 1, 0, 1, 0]
         for i, (t, *_rest) in enumerate(inner.sent):
             assert t - t0 >= (i + 1) * msg_s - 1e-3  # never before its last byte left the link
         assert tr.link.bytes_reserved == 5000
@@ -238,10 +237,10 @@ def test_receives_delegate():
     try:
         assert (tr.rank, tr.world_size) == (0, 2)
         buf = torch.zeros(3, dtype=torch.int64)
-        tr.recv(buf, 1, "reply", sub=2, timeout=SEC)
+        tr.recv(buf, 1, "reply", timeout=SEC)
         assert buf.tolist() == [7, 7, 7]
         assert tr.recv_any(buf, "push") == 1 and buf.tolist() == [9, 9, 9]
-        assert inner.recvs == [("recv", 1, "reply", 2, SEC), ("recv_any", "push")]
+        assert inner.recvs == [("recv", 1, "reply", SEC), ("recv_any", "push")]
     finally:
         tr.close()
 
