@@ -26,25 +26,29 @@
 # summary.json, not in the exit status), 1 otherwise, 2 for bad usage.
 #
 # Environment:
-#   PYTHON                 interpreter with torch (default: python3)
+#   PYTHON                 interpreter with torch (default: .venv/bin/python when present, else python3)
 #   GPU_CHECK_BUDGET_S     seconds for the whole run (default 390)
 #   GPU_CHECK_SIZES        benchmark sizes (default 25M)
 #   GPU_CHECK_BUILD        1: build even without a GPU (a compile check; set PYASYNC_CUDA_ARCHS, e.g. 90)
 #                          0: never build (use the pyasync/_C*.so already in the tree)
 #   GPU_CHECK_CMAKE        1: build with CMake directly instead of setup.py
+#   GPU_CHECK_COMMIT       the commit measured, recorded when the tree has no .git to ask
 #   PYASYNC_CUDA_ARCHS     CUDA architectures to build (default: the GPU's compute capability, e.g. 90)
 #   CMAKE_BUILD_PARALLEL_LEVEL  parallel compile jobs (default: all cores)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-py="${PYTHON:-python3}"
+py="${PYTHON:-}"
+if [ -z "$py" ]; then  # the project's own environment (scripts/env.sh) when there is one, else python3
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
 budget="${GPU_CHECK_BUDGET_S:-390}"
 sizes="${GPU_CHECK_SIZES:-25M}"
 reserve=15  # seconds kept for the summary after the last step
 
 if [ "$#" -gt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
   [ "$#" -le 1 ] && exit 0 || exit 2
 fi
 case "$budget" in
@@ -56,6 +60,13 @@ if ! command -v "$py" >/dev/null 2>&1; then
 fi
 
 start=$SECONDS
+
+# CMake finds nvcc on PATH or through CUDACXX: point CUDACXX at a toolkit that is installed but not on PATH.
+if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDACXX:-}" ]; then
+  for c in /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc; do
+    if [ -x "$c" ]; then export CUDACXX="$c"; break; fi
+  done
+fi
 
 # ---- 1. env (before the output folder exists: its default name is the GPU's)
 env_tmp="$(mktemp)"
@@ -102,8 +113,9 @@ main() {
   echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) repo $root, output $outdir, budget ${budget}s," \
     "python $(envq 'e["python"]'), torch $(envq 'e["torch"]')"
   steps+=("env=$env_status:$env_s")
-  local has_gpu arch=""
+  local has_gpu arch="" has_torch
   has_gpu="$(envq '1 if e["gpu"] else 0')"
+  has_torch="$(envq '1 if e["torch"] else 0')"
   if [ "$has_gpu" = 1 ]; then
     arch="$(envq 'e["gpu"]["arch"]')"
     echo "[gpu_check] GPU: $(envq '"{name}, capability {capability}, driver {driver}".format(**e["gpu"])')"
@@ -133,10 +145,12 @@ main() {
 
   # ---- 3. kernel tests (they skip themselves without a GPU: conftest.py)
   local tmo=()
-  if "$py" -c 'import pytest_timeout' 2>/dev/null; then tmo=(--timeout=120); fi
+  if "$py" -c 'import pytest_timeout' 2>/dev/null; then tmo=(--timeout=180); fi
   local built=1
   if [ "$has_gpu" = 1 ] && [ "${last_build:-ok}" != ok ]; then built=0; fi
-  if [ "$built" = 1 ]; then
+  if [ "$has_torch" != 1 ]; then
+    skip tests_cuda "torch is not importable by $py (set PYTHON)"
+  elif [ "$built" = 1 ]; then
     step tests_cuda 150 "$py" -m pytest -q -rfEs -p no:cacheprovider "${tmo[@]}" -m "cuda and not multiproc" \
       --junitxml="$outdir/tests_cuda.xml" tests
   else
@@ -154,8 +168,10 @@ main() {
   fi
 
   # ---- 5. engine tests with CUDA parameters
-  if [ "$built" = 1 ]; then
-    step tests_engine 150 "$py" -m pytest -q -rfEs -p no:cacheprovider "${tmo[@]}" -m "cuda and multiproc" \
+  if [ "$has_torch" != 1 ]; then
+    skip tests_engine "torch is not importable by $py (set PYTHON)"
+  elif [ "$built" = 1 ]; then
+    step tests_engine 200 "$py" -m pytest -q -rfEs -p no:cacheprovider "${tmo[@]}" -m "cuda and multiproc" \
       --junitxml="$outdir/tests_engine.xml" tests
   else
     skip tests_engine "the build failed"

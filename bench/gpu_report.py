@@ -78,14 +78,15 @@ def collect_env() -> dict[str, Any]:
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
                 "--format=csv,noheader"])
     env["nvidia_smi"] = smi
-    nvcc = _run(["nvcc", "--version"])
+    nvcc = _run([os.environ.get("CUDACXX") or "nvcc", "--version"])
     release = [line for line in (nvcc or "").splitlines() if "release" in line]
     env["nvcc"] = release[0].strip() if release else None
     cmake = _run(["cmake", "--version"])
     env["cmake"] = cmake.splitlines()[0] if cmake else None
     commit = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], timeout=10)
     status = _run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"], timeout=10)
-    env["git"] = {"commit": commit, "dirty": None if status is None else bool(status)}
+    env["git"] = {"commit": commit or os.environ.get("GPU_CHECK_COMMIT") or None,
+                  "dirty": None if status is None else bool(status)}
     try:
         import torch
     except ImportError as e:
@@ -436,6 +437,8 @@ def render_report(summary: dict[str, Any]) -> str:
         lines += [f"    {f['kind']}: {f['test']} | {f['message'][:160]}" for f in t["failures"][:15]]
         if not summary.get("gpu") and t["skipped"] == t["tests"]:
             lines.append("    (all skipped: no GPU)")
+        elif t["skipped"]:
+            lines += [f"    skipped {count}: {reason}" for reason, count in t.get("skip_reasons", {}).items()]
     bench = summary.get("benchmark")
     if bench and not bench.get("error"):
         lines.append(f"benchmark: {bench['records']} records, sizes {bench['sizes']}, copy "

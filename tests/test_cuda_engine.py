@@ -106,7 +106,7 @@ def _bsp_vs_ddp(rank: int, world: int, device: str = "cuda") -> dict:
 
 @pytest.fixture(scope="module")
 def bsp_results():
-    return run_workers(_bsp_vs_ddp, WORLD, timeout=180)
+    return run_workers(_bsp_vs_ddp, WORLD, timeout=120)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
@@ -183,7 +183,7 @@ def _lost_update_suite(rank: int, world: int, device: str = "cuda") -> dict:
 
 @pytest.fixture(scope="module")
 def lost_update_results():
-    return run_workers(_lost_update_suite, WORLD, timeout=240)
+    return run_workers(_lost_update_suite, WORLD, timeout=150)
 
 
 @pytest.mark.parametrize("policy, divisor, comp", CASES, ids=[f"{p}-{c or 'none'}" for p, _, c in CASES])
