@@ -94,6 +94,11 @@ status=0
 build_script='
 set -euo pipefail
 py="$1"
+if ! "$py" -c "import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()[\"include\"] + \"/Python.h\"))"
+then
+  echo "[gpu_check] error: $py has no Python.h (the C headers, e.g. package python3-dev): cannot build _C" >&2
+  exit 1
+fi
 if [ "${GPU_CHECK_CMAKE:-0}" != 1 ] \
   && "$py" -c "import setuptools as s, sys; sys.exit(int(s.__version__.split(\".\")[0]) < 77)" 2>/dev/null; then
   "$py" setup.py build_ext --inplace

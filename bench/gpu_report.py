@@ -25,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ def collect_env() -> dict[str, Any]:
         "gpu": None,
         "no_gpu_reason": None,
     }
+    include = sysconfig.get_paths().get("include") or ""
+    env["python_headers"] = include if os.path.exists(os.path.join(include, "Python.h")) else None
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
                 "--format=csv,noheader"])
     env["nvidia_smi"] = smi
@@ -305,7 +308,8 @@ def summarize(folder: Path, steps: list[dict[str, Any]]) -> dict[str, Any]:
         "gpu": gpu,
         "gpu_name": gpu.get("name") if gpu else None,
         "no_gpu_reason": env.get("no_gpu_reason"),
-        "versions": {k: env.get(k) for k in ("torch", "torch_cuda", "python", "nvcc", "cmake")},
+        "versions": {k: env.get(k) for k in ("torch", "torch_cuda", "python", "python_headers", "nvcc",
+                                             "cmake")},
         "git": env.get("git"),
         "time_utc": env.get("time_utc"),
         "cpu_count": env.get("cpu_count"),
