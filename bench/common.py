@@ -266,6 +266,57 @@ def time_candidates(
     return out
 
 
+@dataclass
+class DeviceBusy:
+    """GPU time of one call, from the profiler (see :func:`device_busy`)."""
+
+    ms: float | None  # GPU busy time per call, milliseconds; None when it could not be measured
+    kernels: list[str] = field(default_factory=list)  # GPU activity names (kernels, memsets, copies)
+    error: str | None = None  # why ms is None, or a warning (e.g. no pyasync kernel was seen)
+
+
+def device_busy(
+    fn: Callable[[], Any], device: torch.device, calls: int = 10, expect: str = "pyasync"
+) -> DeviceBusy:
+    """GPU busy time of one call of `fn`: the summed durations of every kernel, memset and memory copy
+    that the torch profiler (CUPTI) records during `calls` calls, divided by `calls`.
+
+    :func:`time_candidates` times calls with CUDA events, which also counts the host-side gaps of a
+    call (Python argument checks, a host sync inside it) whenever the GPU runs out of queued work; this
+    counts only the GPU's own work, so ``ms`` against ``device_busy(...).ms`` says how much of a call
+    the GPU spent working. `expect`: a substring that some activity name should contain (the
+    pyasync kernels live in namespace ``pyasync``); when none does, ``error`` says so, since a
+    profiler that cannot see those kernels would report only torch's own work. CUDA only; a failure
+    of the profiler becomes ``error``, never an exception.
+    """
+    if device.type != "cuda":
+        return DeviceBusy(None, [], "device_busy needs a CUDA device")
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()  # warm: allocations and lazy initialisation stay out of the profile
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            synchronize(device)
+        per_name: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    except Exception as e:  # noqa: BLE001 - the figure is optional; the reason goes into the record
+        text = str(e).strip().splitlines()
+        return DeviceBusy(None, [], f"{type(e).__name__}: {text[0][:300] if text else ''}")
+    if not per_name:
+        return DeviceBusy(None, [], "the profiler recorded no GPU activity")
+    names = sorted(per_name, key=per_name.get, reverse=True)
+    error = None
+    if expect and not any(expect in name for name in names):
+        error = f"no GPU activity named like {expect!r} was recorded: the figure may miss the kernels"
+    return DeviceBusy(sum(per_name.values()) / calls / 1e3, [n[:160] for n in names[:12]], error)
+
+
 # ------------------------------------------------------------------------------------------------
 # Copy bandwidth
 

@@ -53,6 +53,19 @@ class Candidate:
 
 
 @dataclass
+class Baseline:
+    """What torch offers for the same job, timed in the same rounds as the kernel: the record gets
+    ``<name>_ms`` and ``speedup_vs_<name>`` (its time over the kernel's). `check`, called once before
+    timing with the kernel's and the baseline's outputs after one call each, returns record fields
+    that say whether both computed the same thing."""
+
+    name: str  # e.g. "torch_topk", "torch_fused_adam"
+    build: Callable[[], Candidate]  # fresh state, ready to call
+    check: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, Any]] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # fields copied into the record
+
+
+@dataclass
 class Case:
     """One op at one size: how to build each implementation and what it must move."""
 
@@ -65,7 +78,7 @@ class Case:
     bytes_model: str  # the same, as a formula
     exact: bool  # outputs must match the reference bit for bit
     extra: dict[str, Any] = field(default_factory=dict)  # fields copied into the record
-    baseline: Optional[Callable[[], Fn]] = None  # top-k: torch.topk(v.abs(), k) on the same v
+    baseline: Baseline | None = None  # a torch implementation timed side by side (top-k, Adam)
 
 
 class Ctx:
@@ -203,6 +216,27 @@ def _payload_model(codec: str, ctx: Ctx, k: int) -> tuple[int, str]:
     return nbytes, formula
 
 
+def topk_index_sets(mine: torch.Tensor, theirs: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+    """Compare two top-k index sets of the same ``v``. Equal sets, or sets that differ only in
+    elements whose |v| equals the k-th largest |v| (ties, which torch.topk breaks in no stated order
+    and pyasync by lowest index), count as the same selection."""
+    a = mine.long().sort().values
+    b = theirs.long().sort().values
+    same = a.shape == b.shape and bool(torch.equal(a, b))
+    only_mine = a[~torch.isin(a, b)]
+    only_theirs = b[~torch.isin(b, a)]
+    up_to_ties = same
+    if not same and a.shape == b.shape and only_mine.numel() == only_theirs.numel():
+        mag = v.abs()
+        threshold = mag[b].min()
+        up_to_ties = bool((mag[only_mine] == threshold).all()) and bool((mag[only_theirs] == threshold).all())
+    return {
+        "topk_same_index_set": same,
+        "topk_same_index_set_up_to_ties": up_to_ties,
+        "topk_index_differences": int(only_mine.numel()),
+    }
+
+
 def case_encode(ctx: Ctx, codec: str) -> Case:
     from pyasync.ops import codecs as ops
     from pyasync.reference import codecs as ref
@@ -234,10 +268,21 @@ def case_encode(ctx: Ctx, codec: str) -> Case:
 
     baseline = None
     if codec == "topk":
+        v = grad + residual0  # what the kernel's first call selects from
 
-        def baseline() -> Fn:
-            v = grad + residual0
-            return lambda: torch.topk(v.abs(), k)
+        def build_topk() -> Candidate:
+            st: dict[str, Any] = {}
+
+            def fn() -> None:
+                st["r"] = torch.topk(v.abs(), k)
+
+            return Candidate(fn, lambda: [st["r"].indices])
+
+        baseline = Baseline(
+            "torch_topk", build_topk,
+            check=lambda mine, theirs: topk_index_sets(mine[1], theirs[0], v),
+            info={"torch_topk_call": "torch.topk(v.abs(), k)"},
+        )
 
     return Case(
         f"encode:{codec}", "encode", pyasync, reference, ref.encode, 12 * n + pbytes,
@@ -318,12 +363,53 @@ def case_apply(ctx: Ctx, optim: str, codec: str) -> Case:
     if codec == "topk":
         total += 8 * n + 4 * k
         model += "; top-k is scattered into a dense fp32 scratch first: 4n zeroed + 4k scattered + 4n read"
+    baseline = fused_adam_baseline(ctx, optim, payload, param0, state0, kwargs) if optim != "sgd" else None
     return Case(
         f"apply:{optim}:{codec}", "apply", lambda: make(getattr(ops, name), True),
         lambda f: make(f, False), getattr(ref, name), total, model, exact=False,
         extra={"codec": codec, "optim": optim, "payload_bytes": pbytes, "k": k or None,
                "block": ctx.block if codec in ("int8", "sign") else None},
+        baseline=baseline,
     )
+
+
+def fused_adam_baseline(ctx: Ctx, optim: str, payload, param0: torch.Tensor, state0: dict[str, torch.Tensor],
+                        kwargs: dict[str, Any]) -> Baseline | None:
+    """Decode (pyasync's kernel, into a dense fp32 gradient), then torch's fused Adam/AdamW on it: what
+    an owner would run without the fused apply. Calls ``torch._fused_adam_`` / ``torch._fused_adamw_``
+    directly, the kernels behind ``torch.optim.Adam(fused=True)`` without its Python step (so the
+    fastest torch can do; the step count stays at ``step``, as in the kernel). None where this torch
+    has no such op."""
+    from pyasync.ops import codecs as codec_ops
+
+    api = "_fused_adamw_" if optim == "adamw" else "_fused_adam_"
+    fused = getattr(torch, api, None)
+    if fused is None:
+        return None
+    n, dev = ctx.n, ctx.device
+    hyper = {
+        "lr": kwargs["lr"], "beta1": kwargs["beta1"], "beta2": kwargs["beta2"], "eps": kwargs["eps"],
+        "weight_decay": kwargs["weight_decay"], "amsgrad": False, "maximize": False,
+    }
+
+    def build() -> Candidate:
+        param = param0.clone()
+        exp_avg, exp_avg_sq = state0["exp_avg"].clone(), state0["exp_avg_sq"].clone()
+        grad = torch.empty(n, device=dev)
+        step = torch.tensor(float(kwargs["step"]), device=dev)  # torch.optim increments it before the op
+
+        def fn() -> None:
+            codec_ops.decode(payload, out=grad, alpha=GRAD_SCALE)
+            fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step], **hyper)
+
+        return Candidate(fn, lambda: [param, exp_avg, exp_avg_sq])
+
+    def check(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> dict[str, Any]:
+        ok, err = _compare(mine, theirs, exact=False)
+        return {f"torch_fused_{optim}_matches": ok, f"torch_fused_{optim}_max_abs_err": err}
+
+    return Baseline(f"torch_fused_{optim}", build, check=check,
+                    info={f"torch_fused_{optim}_call": f"pyasync decode, then torch.{api}"})
 
 
 def all_cases() -> list[tuple[str, Callable[[Ctx], Case]]]:
@@ -432,6 +518,14 @@ def run_case(case: Case, ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     ok, err = _compare(kernel.outputs(), eager.outputs(), case.exact)
     rec["matches_reference"] = ok
     rec["max_abs_err"] = err
+    base = None
+    if case.baseline is not None:
+        rec.update(case.baseline.info)
+        base = case.baseline.build()
+        base.fn()
+        bc.synchronize(dev)
+        if case.baseline.check is not None:
+            rec.update(case.baseline.check(kernel.outputs(), base.outputs()))
 
     if args.no_compile:
         compiled, cinfo = None, {"compile_error": "disabled (--no-compile)"}
@@ -441,8 +535,8 @@ def run_case(case: Case, ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     fns: dict[str, Fn] = {"kernel": kernel.fn, "eager": eager.fn, "copy": copy_fn}
     if compiled is not None:
         fns["compiled"] = compiled.fn
-    if case.baseline is not None:
-        fns["torch_topk"] = case.baseline()
+    if base is not None:
+        fns[case.baseline.name] = base.fn
     timings = bc.time_candidates(fns, device=dev, repeats=args.repeats, warmup=args.warmup,
                                  min_sample_s=args.min_sample_s, budget_s=args.budget_s)
     if compiled is not None:
@@ -464,9 +558,18 @@ def run_case(case: Case, ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     rec["speedup_vs_compile"] = rec["compile_ms"] / ms if compiled is not None else None
     rec.update(dict.fromkeys(("compile_s", "compile_error", "compile_graphs", "compile_graph_breaks")))
     rec.update(cinfo)
-    if case.baseline is not None:
-        rec["torch_topk_ms"] = timings["torch_topk"].median_ms
-        rec["speedup_vs_torch_topk"] = rec["torch_topk_ms"] / ms
+    if base is not None:
+        name = case.baseline.name
+        rec[f"{name}_ms"] = timings[name].median_ms
+        rec[f"speedup_vs_{name}"] = rec[f"{name}_ms"] / ms
+    if dev.type == "cuda" and not args.no_device_time:
+        busy = bc.device_busy(kernel.fn, dev, calls=args.device_time_calls)
+        rec["device_ms"] = busy.ms
+        rec["device_gbps"] = bc.gbps(case.bytes, busy.ms) if busy.ms else None
+        rec["device_copy_fraction"] = rec["device_gbps"] / copy_gbps if rec["device_gbps"] else None
+        rec["device_kernels"] = busy.kernels
+        if busy.error:
+            rec["device_time_error"] = busy.error
     return rec
 
 
@@ -477,8 +580,10 @@ TABLE = [
     ("op", "op"), ("numel", "numel"), ("ms", "ms"), ("ms_min", "min ms"), ("gbps", "GB/s"),
     ("copy_gbps", "copy GB/s"),
     ("copy_fraction", "of copy"), ("speedup_vs_eager", "x eager"), ("speedup_vs_compile", "x compile"),
-    ("speedup_vs_torch_topk", "x topk"), ("matches_reference", "ok"),
+    ("speedup_vs_torch_topk", "x topk"), ("speedup_vs_torch_fused_adam", "x fused adam"),
+    ("matches_reference", "ok"),
 ]
+DEVICE_COLUMNS = [("device_ms", "GPU busy ms"), ("device_copy_fraction", "busy of copy")]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -499,6 +604,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int,
                    help="CPU threads for pyasync and torch alike (default: pyasync's default)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
+    p.add_argument("--no-device-time", action="store_true",
+                   help="CUDA: skip the profiler pass that measures the kernels' GPU busy time")
+    p.add_argument("--device-time-calls", type=int, default=10,
+                   help="CUDA: calls profiled for the GPU busy time (default 10)")
     p.add_argument("--quick", action="store_true", help="a dry run: 1M elements, 5 repeats, 1 warm-up call")
     p.add_argument("--block", type=int, default=256, help="int8/sign block (elements, default 256)")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="top-k kept fraction (default 0.01)")
@@ -527,6 +636,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--device cuda: torch sees no CUDA GPU")
     if not 0.0 < args.topk_ratio <= 1.0:
         p.error("--topk-ratio must be in (0, 1]")
+    if args.device_time_calls < 1:
+        p.error("--device-time-calls must be >= 1")
     return args
 
 
@@ -573,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(f"pyasync kernels on {machine['gpu']['name'] if machine['gpu'] else machine['cpu_model']}, "
           f"{args.threads} threads, torch {machine['torch']}, commit {str(machine['git']['commit'])[:12]}")
-    print(bc.format_table(records, TABLE))
+    print(bc.format_table(records, TABLE + (DEVICE_COLUMNS if device.type == "cuda" else [])))
     if failed:
         print(f"\n{failed} op(s) failed; see the 'error' field", file=sys.stderr)
     return 1 if failed else 0

@@ -117,7 +117,9 @@ CONFIGS = {**SGD_CONFIGS, **ADAM_CONFIGS}
 class Runner:
     """One shard under pyasync (`impl`) and the same shard under torch.optim, stepped together."""
 
-    def __init__(self, name: str, n: int, gen: torch.Generator, device: str = "cpu", impl=ops):
+    def __init__(self, name: str, n: int, gen: torch.Generator, device: str = "cpu", impl=ops,
+                 fused: bool = False):
+        """fused: the torch side is torch.optim's fused implementation instead of the single-tensor one."""
         self.cfg = dict(CONFIGS[name])
         self.adam = name in ADAM_CONFIGS
         self.impl = impl
@@ -126,16 +128,17 @@ class Runner:
         self.tparam = torch.nn.Parameter(p0.clone())
         self.step = 0
         c = self.cfg
+        impl_kw = {"fused": True} if fused else {"foreach": False}
         if self.adam:
             self.exp_avg = torch.zeros(n, device=device)
             self.exp_avg_sq = torch.zeros(n, device=device)
             cls = torch.optim.AdamW if c.get("decoupled_weight_decay") else torch.optim.Adam
             self.opt = cls([self.tparam], lr=c["lr"], betas=(c.get("beta1", 0.9), c.get("beta2", 0.999)),
                            eps=c.get("eps", 1e-8), weight_decay=c.get("weight_decay", 0.0),
-                           maximize=c.get("maximize", False), foreach=False)
+                           maximize=c.get("maximize", False), **impl_kw)
         else:
             self.buf = torch.full((n,), float("nan"), device=device)  # first_step must overwrite it
-            self.opt = torch.optim.SGD([self.tparam], foreach=False, **c)
+            self.opt = torch.optim.SGD([self.tparam], **impl_kw, **c)
 
     def apply(self, **grad) -> None:
         self.step += 1
@@ -437,6 +440,36 @@ def test_cuda_matches_cpu(name: str, codec: str, offset: int) -> None:
     torch.cuda.synchronize()
     for (what, x), (_, y) in zip(cpu.tensors(), dev.tensors()):
         torch.testing.assert_close(y.cpu(), x, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[cuda, needs_gpu])]
+FUSED_RTOL, FUSED_ATOL = 1e-5, 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("name", ["adam", "adamw", "adam-maximize-betas", "sgd-nesterov-wd"])
+def test_matches_torch_fused_optimizer(name: str, codec: str, device: str) -> None:
+    """Against torch.optim's fused implementation (``fused=True``: one kernel per step, the one an
+    owner would otherwise run after decoding), element-wise over STEPS steps. Looser than against the
+    single-tensor path: torch's fused CUDA kernels compute the bias corrections in fp32 and exp_avg as
+    beta1 * m + (1 - beta1) * g rather than lerp, which moves results by a few ulps."""
+    if device == "cuda" and not _gpu_ready():
+        pytest.skip("pyasync was built without CUDA kernels")
+    n = 278011
+    gen = torch.Generator().manual_seed(41)
+    try:
+        r = Runner(name, n, gen, device, fused=True)
+    except (RuntimeError, ValueError) as e:
+        if "fused" not in str(e):
+            raise
+        pytest.skip(f"this torch has no fused {name} on {device}: {e}")
+    for _ in range(STEPS):
+        args = gradient_args("both", codec, n, gen, device)
+        r.apply(**args)
+        r.torch_step(oracle_grad(args.get("payload"), args.get("grad_scale", 1.0), args.get("dense"),
+                                 args.get("dense_scale", 1.0)))
+        r.check(rtol=FUSED_RTOL, atol=FUSED_ATOL)
 
 
 @cuda

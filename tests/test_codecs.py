@@ -472,3 +472,28 @@ def test_cuda_topk_decode_and_flag():
     assert out[n:].eq(0).all()
     g[7] = float("inf")
     assert not C.encode("int8", g.cuda()).finite
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("residual", [False, True], ids=["noef", "ef"])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("codec", CAST + BLOCKY + ["topk"])
+def test_cuda_matches_reference(codec, n, residual):
+    """The CUDA kernels against the reference run on the same GPU tensors, with and without error
+    feedback, a NaN in the 4097-element case; then decode (alpha, with and without accumulate)."""
+    g = _gen(n, 24).cuda()
+    if n == 4097:
+        g[n // 3] = float("nan")
+    e = _gen(n, 25, 0.01).cuda() if residual else None
+    k = C.topk_count(n, 0.01) if codec == "topk" else 0
+    for block in (256, 13) if codec in BLOCKY else (256,):
+        p = _check_against_reference(codec, g, e, block, k=k)
+        assert p.codes.is_cuda and p.finite == (n != 4097)
+        for alpha, accumulate in ((1.0, False), (-0.5, True)):
+            base = _gen(n, 26).cuda()
+            got = C.decode(p, out=base.clone(), alpha=alpha, accumulate=accumulate)
+            want = R.decode(p, out=base.clone(), alpha=alpha, accumulate=accumulate)
+            # Both decode the same payload: one product and one sum, rounded alike (NaN codes stay NaN).
+            what = f"{codec} block={block} alpha={alpha} accumulate={accumulate}"
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m, w=what: f"{w}: {m}")
