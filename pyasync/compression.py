@@ -68,6 +68,7 @@ class Compressor:
         self.error_feedback = check_bool("error_feedback", error_feedback) and self.lossy
         # key -> [current residual, spare buffer]; see the module docstring.
         self._residuals: dict[Hashable, list[torch.Tensor]] = {}
+        self._undoable: set[Hashable] = set()  # keys whose last compress swapped (see undo)
 
     # -- codec arguments -------------------------------------------------------------------------
     def _args(self) -> dict[str, Any]:
@@ -128,9 +129,22 @@ class Compressor:
             return _codecs.encode(self.name, flat, out=out, **kwargs)
         cur, spare = self._slot(key, flat)
         payload = _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
+        self._undoable.discard(key)
         if payload.finite:
             self._residuals[key] = [spare, cur]
+            self._undoable.add(key)
         return payload
+
+    def undo(self, key: Hashable = None) -> None:
+        """Take back the last ``compress`` of slot ``key``: its residual is again what it was before
+        (the previous residual is still the spare buffer). For a payload that is never sent, e.g. one
+        encoded early and superseded by an edit of the gradient. A no-op when that compress kept the
+        residual (a non-finite payload) or was already undone; call it before the next compress of
+        ``key``."""
+        if key in self._undoable:
+            self._undoable.discard(key)
+            cur, prev = self._residuals[key]
+            self._residuals[key] = [prev, cur]
 
     def decompress(self, payload: Payload, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fp32 values a payload stands for: a new 1-D tensor, or written into `out` (contiguous
@@ -162,10 +176,12 @@ class Compressor:
             cur = v.detach().reshape(-1).clone()
             loaded[k] = [cur, torch.empty_like(cur)]
         self._residuals = loaded
+        self._undoable.clear()
 
     def reset(self) -> None:
         """Forget every residual (they start again from zero)."""
         self._residuals.clear()
+        self._undoable.clear()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _slot(self, key: Hashable, flat: torch.Tensor) -> list[torch.Tensor]:

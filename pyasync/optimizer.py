@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,15 +24,16 @@ import torch.distributed as dist
 from pyasync import compression as _compression
 from pyasync._validate import check_int, check_real
 from pyasync.engine import wire
-from pyasync.engine.agree import check_agreement
+from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
+from pyasync.engine.engine import Engine
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
-from pyasync.engine.engine import Engine
 from pyasync.policy import Policy, parse_policy
+from pyasync.engine.meet import collective_failure, control_group, join
 from pyasync.transport.base import Transport
-from pyasync.transport.gloo import GlooTransport
+from pyasync.transport.tcp import TcpTransport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -41,8 +43,11 @@ __all__ = ["DistributedOptimizer"]
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group) -> None:
+def _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group,
+                   max_grad_norm) -> None:
     """Raise a clear error for a bad constructor argument (before anything is built)."""
+    if max_grad_norm is not None:
+        check_real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
     check_real("bucket_cap_mb", bucket_cap_mb, lo=0.0, lo_open=True)
     if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
         raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
@@ -90,13 +95,16 @@ def _trainable(param_groups, named_parameters) -> tuple[list[torch.Tensor], list
                     f"parameter {name} has dtype {p.dtype}; pyasync supports float32, float16 and bfloat16 "
                     "parameters"
                 )
+            if p.layout != torch.strided:
+                raise TypeError(
+                    f"parameter {name} is a {p.layout} tensor; pyasync trains dense (strided) parameters "
+                    "(sparse gradients of dense parameters are fine)"
+                )
             if not p.is_contiguous():
                 raise ValueError(
                     f"parameter {name} is not contiguous; make it contiguous (p.data = p.data.contiguous()) "
                     "before wrapping the optimizer"
                 )
-            if p.is_sparse:
-                raise TypeError("sparse parameters are not supported")
             params.append(p)
             groups.append(gi)
     if not params:
@@ -105,6 +113,33 @@ def _trainable(param_groups, named_parameters) -> tuple[list[torch.Tensor], list
     if len(devices) != 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
     return params, groups, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _describe_group(i: int, g: dict) -> str:
+    """A param group's hyperparameters as one line (ranks must agree on them)."""
+    items = []
+    for k, v in sorted(g.items()):
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        items.append(f"{k}={v!r}")
+    return f"param_groups[{i}]: " + ", ".join(items)
+
+
+def _destroy(group) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except Exception as e:  # noqa: BLE001 - teardown goes on (the default group may be gone already)
+        warnings.warn(f"pyasync: could not destroy the optimizer's gloo group: {e}", RuntimeWarning, stacklevel=3)
+
+
+def _abandon(engine: Engine, control) -> None:
+    """The optimizer went away (or the interpreter exits) without close(): stop the engine's threads."""
+    if not engine.closed:
+        engine.closed = True
+        engine.capture.remove()
+        engine.abort()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -128,10 +163,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the bucket's parameter names, once). "raise": the same, and then ``step()`` raises
             :class:`pyasync.NonFiniteGradientError` on the rank that computed it (after its step
             completed, so the optimizer stays usable). The check is fused into the encode kernels.
-        transport: a factory ``transport(process_group, timeout) -> pyasync.transport.Transport`` that
-            builds the point-to-point transport the engine talks over (None: gloo, see
-            pyasync.transport.gloo). Benchmarks use it to put an emulated link in front of gloo.
+        transport: a factory ``transport(group, timeout) -> pyasync.transport.Transport`` that builds
+            the point-to-point transport the engine talks over, given a gloo group of the optimizer's
+            ranks (None: TCP sockets, pyasync.transport.tcp; ``pyasync.transport.gloo.GlooTransport`` is
+            the other one). Benchmarks use it to put an emulated link in front.
+        max_grad_norm: clip gradients to this total norm inside the engine (None: no clipping). Under
+            BSP the mean gradient of every step is clipped, as DDP followed by
+            ``torch.nn.utils.clip_grad_norm_`` does (so BSP still equals DDP); under SSP, ASP and Quorum
+            each worker's push is clipped to it. ``stats().grad_norm`` is the norm before clipping.
+        grad_edits: "detect" (default): the gradient pushed for a step is exactly what ``.grad`` holds
+            when ``step()`` is called; buckets are encoded while backward runs and sent by ``step()``,
+            and a bucket edited in between is encoded again there (see docs/reliability.md). "forbid":
+            buckets are sent while backward runs (more overlap on models of many buckets); an edit
+            after backward() makes step() raise (the step is lost), as does a GradScaler.
+
+    Works with ``torch.amp.GradScaler``: ``scaler.step(opt)`` always reaches ``step()``, which divides
+    the scale out while encoding and, on a step where this rank found an inf or NaN, pushes nothing that
+    any owner applies (so a synchronous round never waits for a rank that skipped). Every wait is
+    bounded by ``timeout``; a rank that dies makes every other rank raise
+    :class:`pyasync.PeerFailure` naming it.
     """
+
+    #: GradScaler calls step() on every step and sets ``grad_scale`` and ``found_inf`` first.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -146,6 +200,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         num_appliers: int = 2,
         on_nonfinite: str = "skip",
         transport: Callable[[dist.ProcessGroup | None, datetime.timedelta], Transport] | None = None,
+        max_grad_norm: float | None = None,
+        grad_edits: str = "detect",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -153,9 +209,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 "optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once"
             )
+        other = getattr(optimizer, "_pyasync_wrapper", lambda: None)()
+        if other is not None and not other.closed:
+            raise TypeError(
+                f"this {type(optimizer).__name__} is already wrapped by an open DistributedOptimizer ({other!r}); "
+                "wrap a torch optimizer once (or close() the first wrapper before wrapping it again)"
+            )
         self._policy = parse_policy(policy)
         self._comp = _compression.from_spec(compression)
-        _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group)
+        _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm)
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        if grad_edits not in ("detect", "forbid"):
+            raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
+        self._grad_edits = grad_edits
+        if grad_edits == "forbid" and max_grad_norm is not None and not self._policy.clips_mean:
+            raise ValueError(
+                f"max_grad_norm under {self._policy.spec()} clips each push before it is sent, which "
+                "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
+            )
         self._group = process_group
         self._rank = dist.get_rank(process_group)
         if self._rank < 0:
@@ -188,11 +259,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._layouts = build_layout(assign, [p.numel() for p in self._params], groups, self._world)
         self._rule = UpdateRule(optimizer)
 
-        # Startup agreement and rank 0's values (collectives on the user's group, main thread, before
-        # any engine thread starts).
-        check_agreement(self._agreement_items(groups), process_group)
+        if max_grad_norm is not None and self._policy.clips_mean and self._world > 1:
+            empty = [r for r in range(self._world) if not any(lay.shards[r].numel for lay in self._layouts)]
+            if empty:
+                raise ValueError(
+                    f"max_grad_norm under {self._policy.spec()} needs every rank to own part of the parameters, "
+                    f"but ranks {empty} own none (the model has fewer elements per bucket than ranks)"
+                )
+
+        # Meet (bounded, naming who is missing), then the optimizer's own group, transport, agreement and
+        # rank 0's values: collectives in the training thread, before any engine thread starts.
+        self._control = None
+        tp = None
         if self._world > 1:
-            self._broadcast_initial()
+            join(process_group, timeout, "the construction of the DistributedOptimizer")
+            self._control = control_group(process_group, timeout)
+            try:
+                tp = (transport or TcpTransport)(self._control, timeout)
+                if not isinstance(tp, Transport):
+                    raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
+                try:
+                    check_agreement(self._agreement_items(groups), self._control)
+                    self._broadcast_initial()
+                except AgreementError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a peer that died meanwhile: name it
+                    raise collective_failure(e, tp, "the startup agreement") from e
+            except BaseException:
+                if isinstance(tp, Transport):
+                    tp.abort()
+                dist.destroy_process_group(self._control)
+                raise
 
         spec = wire.WireSpec.for_compressor(
             self._comp,
@@ -201,11 +298,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shard_numels=[[s.numel for s in lay.shards] for lay in self._layouts],
             mask_lens=[[len(s.segments) for s in lay.shards] for lay in self._layouts],
         )
-        tp = None
-        if self._world > 1:
-            tp = (transport or GlooTransport)(process_group, timeout)
-            if not isinstance(tp, Transport):
-                raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
         self._engine = Engine(
             params=self._params,
             layouts=self._layouts,
@@ -220,7 +312,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             num_appliers=num_appliers,
             names=self._names,
             on_nonfinite=on_nonfinite,
+            max_grad_norm=max_grad_norm,
+            control=self._control,
+            grad_edits=grad_edits,
         )
+        optimizer._pyasync_wrapper = weakref.ref(self)
+        # A rank that exits without close(): stop the threads, so peers see it leave (a PeerFailure
+        # there) and the interpreter's exit never meets a thread inside a socket call.
+        self._finalizer = weakref.finalize(self, _abandon, self._engine, self._control)
 
     def _agreement_items(self, groups: list[int]) -> dict[str, list[str]]:
         """What every rank must describe identically (see engine/agree.py)."""
@@ -234,6 +333,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self._rule.describe(),
             "bucket layout": [lay.describe() for lay in self._layouts],
             "device type": [self._params[0].device.type],
+            "hyperparameters": [_describe_group(i, g) for i, g in enumerate(self.param_groups)],
+            "max_grad_norm": [repr(self._max_grad_norm)],
+            "grad_edits": [self._grad_edits],
         }
 
     @torch.no_grad()
@@ -244,7 +346,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ps = [self._params[p] for p in lay.params]
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             host = flat.cpu()  # gloo: host memory (a no-op copy on the CPU)
-            dist.broadcast(host, src=src, group=self._group)
+            dist.broadcast(host, src=src, group=self._control)
             flat.copy_(host)
             for p, o, n in zip(ps, lay.offsets, lay.numels):
                 p.copy_(flat[o : o + n].view_as(p))
@@ -260,7 +362,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
-        self.engine.step()
+        # Set by torch.amp.GradScaler.step (see _step_supports_amp_scaling): the scale the gradients still
+        # carry (None once unscale_ ran) and whether this rank found an inf or NaN.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self.engine.step(
+            grad_scale=None if grad_scale is None else float(grad_scale),
+            found_inf=found_inf is not None and float(found_inf) > 0,
+        )
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
@@ -315,7 +424,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             nothing. So each rank first tells every owner it is paused (a PAUSE message after its last
             push); an owner's aggregate rounds then stop waiting for paused ranks, as for closed ones,
             and the stranded round is applied with the pushes that are in. Then the ranks meet
-            (``monitored_barrier``: a rank that does not arrive within the timeout is named), send
+            (``monitored_barrier`` on the optimizer's own group: a rank that does not arrive within
+            the timeout is named; a dead one raises PeerFailure), send
             RESUME, wait until their own owner has processed every rank's RESUME, and meet again, so
             no push of the next step reaches an owner that still counts its sender as paused. Under
             BSP no round can be open at a barrier (a step returns only when every rank's push of that
@@ -325,13 +435,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         eng = self.engine
         eng.pause()
         try:
-            if self._world > 1:
-                dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
+            self._meet("barrier()")
         finally:
             eng.resume()
-        if self._world > 1:
-            dist.monitored_barrier(group=self._group, timeout=self._timeout, wait_all_ranks=True)
+        self._meet("barrier()")
         eng.check()
+
+    def _meet(self, what: str) -> None:
+        """A barrier of the optimizer's ranks on its own group, bounded by the timeout; a peer that died
+        is named (PeerFailure)."""
+        if self._world == 1:
+            return
+        try:
+            dist.monitored_barrier(group=self._control, timeout=self._timeout, wait_all_ranks=True)
+        except Exception as e:  # noqa: BLE001
+            err = collective_failure(e, self.engine.transport, what)
+            self.engine._sticky(err)
+            raise err from e
 
     def stats(self) -> Stats:
         """This rank's counters (see pyasync.Stats)."""
@@ -340,8 +460,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Drain, keep serving slower ranks until every rank has closed, apply every outstanding push,
         install the final parameters (equal on every rank) and stop the threads. Idempotent."""
-        if self._engine is not None:
+        if self._engine is None:
+            return
+        try:
             self._engine.close()
+        finally:
+            if self._engine.closed and self._control is not None:
+                self._finalizer.detach()
+                control, self._control = self._control, None
+                self._engine.control = None  # no reference may keep the group's threads and sockets alive
+                _destroy(control)
 
     @property
     def closed(self) -> bool:
@@ -374,6 +502,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def process_group(self) -> dist.ProcessGroup | None:
         """The process group the optimizer trains over (None: the default group)."""
         return self._group
+
+    @property
+    def collective_group(self) -> dist.ProcessGroup | None:
+        """The optimizer's own gloo group of the same ranks (None with one rank): its collectives
+        (barrier, checkpoints, BSP's clipping) run there, bounded by ``timeout``, never mixing with the
+        user's."""
+        return self._control
 
     @property
     def timeout(self) -> datetime.timedelta:

@@ -45,6 +45,9 @@ class Policy:
 
     #: Whether ``step()`` waits for the owners' answers to its pushes.
     worker_waits: bool = True
+    #: ``max_grad_norm`` clips the mean gradient of a round (BSP, as DDP + clip_grad_norm_ does) rather
+    #: than each worker's push.
+    clips_mean: bool = False
 
     def spec(self) -> str:
         raise NotImplementedError
@@ -54,8 +57,9 @@ class Policy:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
 
-    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
-        """The state machine an owner runs for one shard (``n_segments`` parameters overlap it)."""
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
+        """The state machine an owner runs for one shard (``n_segments`` parameters overlap it);
+        ``gated``: complete aggregates wait for a release (only for policies that ``clips_mean``)."""
         raise NotImplementedError
 
     def divisor(self, world_size: int) -> int:
@@ -76,7 +80,9 @@ class _PerPush(Policy):
 
     lr_scale: str | None = None
 
-    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
+        if gated:
+            raise ValueError(f"{self.spec()} clips each push, not a round's mean: its rounds are never gated")
         return PushRound(self, world_size, n_segments, name)
 
     def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
@@ -98,8 +104,8 @@ class _Aggregate(Policy):
     #: A push computed on a superseded version is added to the next update (True) or dropped.
     folds_late: bool = False
 
-    def round(self, world_size: int, n_segments: int, name: Hashable = 0) -> Round:
-        return AggregateRound(self, world_size, n_segments, name)
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
+        return AggregateRound(self, world_size, n_segments, name, gated=gated)
 
     def update_ready(self, pushed: AbstractSet[int], absent: AbstractSet[int], world_size: int) -> bool:
         """Is the aggregate complete, given the workers ``pushed`` that contributed a push to it and the
@@ -116,6 +122,8 @@ class BSP(_Aggregate):
     """Bulk-synchronous: for every clock t each owner applies ONE update from the mean of all n
     workers' gradients of clock t, and a worker starts step t+1 only on parameters that include update t
     from every owner. Equal to DDP with the same optimizer, up to float rounding."""
+
+    clips_mean = True
 
     def spec(self) -> str:
         return "bsp"

@@ -65,8 +65,20 @@ def _entry(
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_workers(fn: Callable, world_size: int, args: Sequence = (), timeout: float = 60.0) -> list[Any]:
-    """Run fn(rank, world_size, *args) on world_size spawned ranks; their return values by rank."""
+def run_workers(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    timeout: float = 60.0,
+    may_die: Sequence[int] = (),
+    exitcodes: list | None = None,
+) -> list[Any]:
+    """Run fn(rank, world_size, *args) on world_size spawned ranks; their return values by rank.
+
+    may_die: ranks allowed to end without a result (e.g. killed on purpose); their value is None.
+    exitcodes: a list to fill with every rank's exit code once the ranks have ended (0: a normal exit;
+    negative: the signal that ended it, e.g. -6 for SIGABRT)."""
+    may_die = set(may_die)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -83,8 +95,11 @@ def run_workers(fn: Callable, world_size: int, args: Sequence = (), timeout: flo
         p.start()
     got: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    def settled() -> bool:
+        return all(i in got or (i in may_die and not p.is_alive()) for i, p in enumerate(procs))
+
     try:
-        while len(got) < world_size:
+        while not settled():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -92,7 +107,7 @@ def run_workers(fn: Callable, world_size: int, args: Sequence = (), timeout: flo
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
                 if any(
-                    not p.is_alive() and p.exitcode not in (0, None) and i not in got
+                    not p.is_alive() and p.exitcode not in (0, None) and i not in got and i not in may_die
                     for i, p in enumerate(procs)
                 ):
                     time.sleep(0.2)  # let a dying rank's report reach the queue
@@ -116,13 +131,20 @@ def run_workers(fn: Callable, world_size: int, args: Sequence = (), timeout: flo
                         pass
                 break
     finally:
+        for i, p in enumerate(procs):
+            if i in got:
+                p.join(10)  # a rank that reported exits by itself: let it, to see how it exits
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
             p.join(5)
-    if len(got) == world_size and all(s == "ok" for s, _ in got.values()):
-        return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
+        if exitcodes is not None:
+            exitcodes[:] = [p.exitcode for p in procs]
+    if settled() and all(s == "ok" for s, _ in got.values()):
+        return [
+            torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None for r in range(world_size)
+        ]
     report = []
     for r, p in enumerate(procs):
         if r in got and got[r][0] == "error":

@@ -7,7 +7,7 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.applier import Applier
-from pyasync.engine.errors import ProtocolError
+from pyasync.errors import ProtocolError
 from pyasync.engine.messages import Push
 from pyasync.engine.owner import Owner
 from pyasync.engine.rule import UpdateRule

@@ -3,7 +3,7 @@ processes, no tensors. Each test is an exact event -> actions table for one poli
 
 import pytest
 
-from pyasync.engine.errors import ProtocolError
+from pyasync.errors import ProtocolError
 from pyasync.engine.round import AggregateRound, Answer, Apply, PushRound, Release, Sum, Update
 from pyasync.policy import ASP, BSP, SSP, Quorum
 

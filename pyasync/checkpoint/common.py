@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pyasync.engine.meet import collective_failure
 from pyasync.optimizer import DistributedOptimizer
 
 FORMAT = "pyasync-checkpoint"
@@ -84,5 +85,15 @@ def shard_name(save_id: str, rank: int, world: int) -> str:
 
 def global_src(opt: DistributedOptimizer) -> int:
     return dist.get_global_rank(opt.process_group, 0) if opt.process_group is not None else 0
+
+
+def collective(opt: DistributedOptimizer, what: str, fn, *args, **kwargs):
+    """Run collective ``fn`` on the optimizer's own group (bounded by its timeout); a failure is a
+    CheckpointError that names the rank that died when the transport saw it."""
+    try:
+        return fn(*args, group=opt.collective_group, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        err = collective_failure(e, opt.engine.transport, what)
+        raise CheckpointError(f"{what} failed: {err}; nothing was committed or loaded by this call") from err
 
 

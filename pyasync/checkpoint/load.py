@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pyasync.checkpoint.common import MANIFEST, CheckpointError, check_args
+from pyasync.checkpoint.common import MANIFEST, CheckpointError, check_args, collective
 from pyasync.checkpoint.reshard import reshard
 from pyasync.checkpoint.validate import compare, read_manifest, read_shard
 from pyasync.optimizer import DistributedOptimizer
@@ -38,7 +38,7 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     zero in the new engine (the saved ones stay in the files for inspection).
     """
     d = check_args(path, opt, "load_checkpoint")
-    world, group = opt.world_size, opt.process_group
+    world = opt.world_size
     sd, err = None, ""
     try:
         sd = _validate(d, opt)
@@ -49,7 +49,7 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     mine = torch.tensor([int(not err)], dtype=torch.int64)
     if world > 1:
-        dist.all_gather(flags, mine, group=group)
+        collective(opt, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine)
     else:
         flags = [mine]
     bad = [r for r in range(world) if int(flags[r].item()) != 1]
@@ -67,7 +67,7 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
 
 def _install_all(opt: DistributedOptimizer) -> None:
     """Give every rank's parameters the loaded master values of every shard (all_gather per bucket)."""
-    rank, world, group = opt.rank, opt.world_size, opt.process_group
+    rank, world = opt.rank, opt.world_size
     if world == 1:
         return  # load_state_dict already installed this rank's (= every) shard
     masters = opt.engine.masters()
@@ -79,7 +79,7 @@ def _install_all(opt: DistributedOptimizer) -> None:
         if lay.shards[rank].numel > 0:
             mine[: lay.shards[rank].numel].copy_(masters[b].cpu())
         parts = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(parts, mine, group=group)
+        collective(opt, "load_checkpoint: installing every shard", dist.all_gather, parts, mine)
         opt.engine.install_values(
             {(b, r): parts[r][: sh.numel] for r, sh in enumerate(lay.shards) if sh.numel > 0 and r != rank}
         )

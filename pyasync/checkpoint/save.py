@@ -23,6 +23,7 @@ from pyasync.checkpoint.common import (
     CheckpointError,
     atomic_write,
     check_args,
+    collective,
     global_src,
     shard_name,
 )
@@ -60,7 +61,7 @@ def drain(opt: DistributedOptimizer) -> None:
     mine = torch.tensor([eng.clock], dtype=torch.int64)
     clocks = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        dist.all_gather(clocks, mine, group=opt.process_group)
+        collective(opt, "save_checkpoint: exchanging clocks", dist.all_gather, clocks, mine)
     else:
         clocks = [mine]
     eng.drain([int(c.item()) for c in clocks])
@@ -82,7 +83,7 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     checkpoint in ``path``, if any, is then left as it was).
     """
     d = check_args(path, opt, "save_checkpoint")
-    rank, world, group = opt.rank, opt.world_size, opt.process_group
+    rank, world = opt.rank, opt.world_size
     eng = opt.engine
 
     # See Note [Quorum and save]: from here until this rank's state is taken, rounds do not wait for
@@ -93,7 +94,7 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
         # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
         sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
         if world > 1:
-            dist.broadcast(sid, src=global_src(opt), group=group)
+            collective(opt, "save_checkpoint: agreeing on a save id", dist.broadcast, sid, src=global_src(opt))
         save_id = f"{int(sid.item()):016x}"
         fname = shard_name(save_id, rank, world)
 
@@ -125,7 +126,7 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     mine[3:] = torch.frombuffer(bytearray(digest), dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        dist.all_gather(table, mine, group=group)
+        collective(opt, "save_checkpoint: gathering every rank's result", dist.all_gather, table, mine)
     else:
         table = [mine]
     failed = [r for r in range(world) if int(table[r][0]) != 1]
@@ -169,7 +170,7 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
             commit_err = f"rank 0 could not write {os.path.join(d, MANIFEST)}: {type(e).__name__}: {e}"
     flag = torch.tensor([int(not commit_err)], dtype=torch.int64)
     if world > 1:
-        dist.broadcast(flag, src=global_src(opt), group=group)
+        collective(opt, "save_checkpoint: the commit", dist.broadcast, flag, src=global_src(opt))
     if int(flag.item()) != 1:
         # The new shard files are orphans; the old manifest (if any) still names the old, intact ones.
         try:

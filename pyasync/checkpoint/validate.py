@@ -22,6 +22,7 @@ from pyasync.checkpoint.common import FORMAT, FORMAT_VERSION, MANIFEST, SHARD_RE
 from pyasync.engine.shards import build_layout
 from pyasync.optimizer import DistributedOptimizer
 
+
 def read_manifest(d: str) -> dict[str, Any]:
     mpath = os.path.join(d, MANIFEST)
     if not os.path.isdir(d):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pyasync.engine import round as rnd
-from pyasync.engine.messages import Call, Close, Pause, Push, Result, Stop
+from pyasync.engine.messages import Call, Close, Pause, Push, Release, Result, Stop
 from pyasync.engine.rule import ShardState, UpdateRule
 from pyasync.engine.streams import used_here, wait_event
 from pyasync.ops import codecs as ops_codecs
@@ -72,13 +72,18 @@ class Applier(threading.Thread):
                         self._do(sh, sh.round.pause(msg.worker, msg.on))
                     if not msg.on:
                         self.owner.resumed(msg.worker)
+                elif isinstance(msg, Release):
+                    sh = self.shards[msg.bucket]
+                    self._do(sh, sh.round.release(msg.scale))
+                    self.owner.progressed()
                 elif isinstance(msg, Call):
                     try:
                         msg.result.set(msg.fn(self))
                     except BaseException as e:  # noqa: BLE001 - handed back to the caller
                         msg.result.fail(e)
                 elif isinstance(msg, Stop):
-                    self.owner.drain_sends(self, msg.timeout)
+                    if msg.timeout is not None:  # None: stopped after a failure, nothing to wait for
+                        self.owner.drain_sends(self, msg.timeout)
                     return
                 else:
                     raise TypeError(f"applier got an unknown message {type(msg).__name__}")
@@ -93,8 +98,13 @@ class Applier(threading.Thread):
             elif isinstance(a, rnd.Sum):
                 self._sum(sh, a.item)
             elif isinstance(a, rnd.Update):
+                if a.scale != 1.0:
+                    sh.agg.mul_(a.scale)
                 self.rule.apply(sh.state, dense=sh.agg, seg_mask=list(a.mask))
                 sh.agg.zero_()
+            elif isinstance(a, rnd.Gate):
+                sq = float(torch.dot(sh.agg, sh.agg)) if sh.agg is not None else 0.0
+                self.owner.gate.report(a.version, sh.bucket, sq)
             elif isinstance(a, rnd.Release):
                 self.owner.release(a.item)
             elif isinstance(a, rnd.Answer):

@@ -1,9 +1,21 @@
 """Gradient capture: post-accumulate-grad hooks count ready parameters per bucket; the last one hands the
-bucket to the push thread at once, so packing, compression and the push overlap the rest of backward.
+bucket to the push thread at once, so flattening and compression overlap the rest of backward.
 
-``step()`` flushes the buckets no hook handed over (parameters without a gradient count as zeros, with
-a has-grad mask). Several backward passes per step need ``opt.no_sync()``: a gradient that arrives for
-a bucket already handed over is reported by the next ``step()``.
+Note [What step() pushes]
+    The gradient pushed for a step is exactly what ``.grad`` holds when ``step()`` is called. The push
+    thread encodes a bucket early, while backward goes on, but nothing is sent until ``step()``
+    confirms the encode: for every parameter of the bucket, ``.grad`` must still be the very tensor
+    the hook saw (a reassigned or deleted ``.grad`` is another object) with the same version counter
+    (every in-place change, ``mul_``, ``zero_``, ``clip_grad_norm_``, ``GradScaler.unscale_``, a second
+    ``backward()`` accumulating into it, bumps it). A bucket that changed is encoded again from what
+    ``.grad`` holds then, after the early encode's error-feedback residual is taken back
+    (``Compressor.undo``), so nothing is applied twice and nothing is lost. Detection, not guessing: an
+    edit is never raced, only seen. What escapes the version counter: writes through ``.data``
+    (a tensor with a version counter of its own) or through the raw storage (``numpy()``, ``data_ptr``).
+    The price when nothing changed is one identity and version check per parameter in ``step()``; the
+    price of an edit is encoding the edited buckets again, in ``step()``, where it no longer overlaps
+    backward. Several ``backward()`` calls per step simply count as edits (``no_sync()`` spares the
+    early encodes).
 """
 
 from __future__ import annotations
@@ -19,6 +31,11 @@ from pyasync.engine.shards import BucketLayout
 __all__ = ["Capture"]
 
 
+def grad_stamp(g: torch.Tensor | None) -> tuple[object, int]:
+    """What identifies the state of a ``.grad``: the object and its version counter."""
+    return (g, -1 if g is None else g._version)
+
+
 class Capture:
     """The hooks of one engine. ``hand_over(b)`` is called (with ``cond`` held) when bucket b is ready."""
 
@@ -29,6 +46,7 @@ class Capture:
         cond: threading.Condition,
         hand_over: Callable[[int], None],
     ) -> None:
+        self.params = params
         self.layouts = layouts
         self.cond = cond
         self.hand_over = hand_over
@@ -37,8 +55,7 @@ class Capture:
             for slot, p in enumerate(lay.params):
                 self.slot[p] = (b, slot)
         self.ready: dict[int, set[int]] = {b: set() for b in range(len(layouts))}
-        self.handed: set[int] = set()  # buckets handed over this clock
-        self.late_grad: str | None = None
+        self.stamps: dict[int, list[tuple[object, int]]] = {}  # bucket -> stamps when handed over
         self.no_sync = False
         self.enabled = True
         self.hooks = [params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self.slot]
@@ -54,37 +71,38 @@ class Capture:
             return
         b, slot = self.slot[i]
         with self.cond:
-            if b in self.handed:
-                self.late_grad = (
-                    f"parameter {i} got a gradient after its bucket {b} was already pushed in this "
-                    "step (several backward() calls per step?); accumulate inside "
-                    "`with opt.no_sync():` and leave the last backward() outside it"
-                )
-                return
+            if b in self.stamps:
+                return  # a later backward into a bucket handed over: step() sees the version change
             self.ready[b].add(slot)
             if len(self.ready[b]) == len(self.layouts[b].params):
                 self._hand(b)
 
     def _hand(self, b: int) -> None:
-        self.handed.add(b)
+        self.stamps[b] = [grad_stamp(self.params[p].grad) for p in self.layouts[b].params]
         self.hand_over(b)
 
-    def flush(self) -> int:
-        """Hand over every bucket not handed over yet (caller holds cond); returns the bucket count."""
+    def flush(self) -> None:
+        """Hand over every bucket not handed over yet (caller holds cond)."""
         for b in range(len(self.layouts)):
-            if b not in self.handed:
+            if b not in self.stamps:
                 self._hand(b)
-        return len(self.layouts)
+
+    def changed(self) -> list[int]:
+        """Buckets whose gradients are no longer what the hooks saw (Note [What step() pushes])."""
+        out = []
+        for b, stamps in self.stamps.items():
+            for p, (g0, v0) in zip(self.layouts[b].params, stamps):
+                g = self.params[p].grad
+                if g is not g0 or (g is not None and g._version != v0):
+                    out.append(b)
+                    break
+        return sorted(out)
 
     def next_clock(self) -> None:
-        """The step is over: every bucket may be handed over again (caller holds cond)."""
-        self.handed = set()
+        """The step is over (or abandoned): every bucket may be handed over again (caller holds cond)."""
+        self.stamps = {}
         for b in self.ready:
             self.ready[b] = set()
-
-    def take_late_grad(self) -> str | None:
-        msg, self.late_grad = self.late_grad, None
-        return msg
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -8,9 +8,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from pyasync.engine.errors import EngineError
+from pyasync.errors import EngineError, PeerFailure
 
-__all__ = ["Deadline", "EngineError", "wait_until"]
+__all__ = ["Deadline", "EngineError", "as_raised", "wait_until"]
 
 
 class Deadline:
@@ -25,26 +25,46 @@ class Deadline:
         return max(0.0, self.end - time.monotonic())
 
 
+def as_raised(err: BaseException) -> BaseException:
+    """What a call raises for a failure recorded by a background thread (or an earlier call): the same
+    PeerFailure (every survivor gets that type, naming the rank), a TimeoutError for an earlier timeout,
+    an EngineError naming the thread otherwise."""
+    if isinstance(err, PeerFailure):
+        out: BaseException = PeerFailure(str(err), err.ranks)
+    elif isinstance(err, TimeoutError):
+        out = TimeoutError(f"{err} (an earlier wait timed out: the optimizer cannot go on; close() it and resume "
+                           "from a checkpoint)")
+    else:
+        out = EngineError(f"pyasync engine failed: {err}")
+    out.__cause__ = err
+    return out
+
+
 def wait_until(
     cond: threading.Condition,
     ready: Callable[[], bool],
     timeout: datetime.timedelta,
     what: Callable[[], str],
     error: Callable[[], BaseException | None],
+    progress: Callable[[], int] | None = None,
 ) -> float:
     """Wait on ``cond`` (held by the caller) until ``ready()``; returns the seconds waited.
 
-    Raises the background failure from ``error()`` as an EngineError as soon as one is recorded, and
+    Raises the background failure from ``error()`` (see as_raised) as soon as one is recorded, and
     TimeoutError with ``what()`` (e.g. "answers from owner ranks [2, 3] for buckets [0]") when
-    ``timeout`` passes first."""
+    ``timeout`` passes first. With ``progress`` (a counter that only grows), the deadline starts again
+    whenever the counter moved: the wait fails only after ``timeout`` without progress."""
     t0 = time.monotonic()
     deadline = Deadline(timeout)
+    seen = progress() if progress is not None else 0
     while True:
         err = error()
         if err is not None:
-            raise EngineError(f"pyasync engine failed: {err}") from err
+            raise as_raised(err)
         if ready():
             return time.monotonic() - t0
+        if progress is not None and progress() != seen:
+            seen, deadline = progress(), Deadline(timeout)
         left = deadline.remaining()
         if left <= 0:
             raise TimeoutError(

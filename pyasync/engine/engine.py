@@ -18,24 +18,27 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import threading
 import traceback
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from pyasync.engine import wire
 from pyasync.engine.capture import Capture
-from pyasync.engine.clock import wait_until
-from pyasync.engine.errors import EngineError, NonFiniteGradientError
+from pyasync.engine.clock import as_raised, wait_until
 from pyasync.engine.mailbox import Mailbox
-from pyasync.engine.messages import BucketReady, Control, Stop
+from pyasync.engine.meet import collective_failure
+from pyasync.engine.messages import BucketReady, Commit, Control, Stop
 from pyasync.engine.owner import Owner
 from pyasync.engine.pusher import Pusher
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
 from pyasync.engine.streams import record_event
+from pyasync.errors import NonFiniteGradientError, PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Policy
 from pyasync.transport.base import Transport
@@ -71,8 +74,17 @@ class Engine:
         num_appliers: int = 2,
         names: list[str] | None = None,
         on_nonfinite: str = "skip",
+        max_grad_norm: float | None = None,
+        control=None,
+        grad_edits: str = "detect",
     ) -> None:
         self.params, self.layouts, self.policy, self.rule = params, layouts, policy, rule
+        self.max_grad_norm = max_grad_norm
+        self.grad_edits = grad_edits
+        self.gated = max_grad_norm is not None and policy.clips_mean and world_size > 1
+        self.control = control  # the optimizer's private gloo group (the gates' all-reduce)
+        self.grad_norm: float | None = None  # last clipped norm (mean gradient under BSP, else this push)
+        self.reported = False  # the recorded failure was raised to the caller at least once
         self.names = names if names is not None else [f"param{i}" for i in range(len(params))]
         self.on_nonfinite = on_nonfinite
         self.rank, self.n, self.timeout = rank, world_size, timeout
@@ -83,7 +95,9 @@ class Engine:
         self.clock = 0
         self.closed = False
         self.wait_seconds = 0.0
-        self.packed = 0  # buckets of this clock the push thread has finished
+        self.committed = -1  # the last clock whose pushes the push thread has sent
+        self.in_flight: int | None = None  # a step whose pushes went out and that has not finished
+        self.gated_done = -1  # the last clock whose gate (BSP clipping) this rank has run
         self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
         self.nonfinite_logged = False
         self.resumes = 0  # pauses ended: RESUMEs every owner expects
@@ -93,10 +107,12 @@ class Engine:
         self.owner = Owner(rank=rank, world_size=world_size, layouts=layouts, masters=self._masters(),
                            policy=policy, rule=rule, transport=transport, spec=spec,
                            deliver_local=self.mailbox.deliver, fail=self.fail, num_appliers=num_appliers,
-                           timeout=timeout)
+                           timeout=timeout, gated=self.gated, notify=self._notify)
         self.pusher = Pusher(rank=rank, world_size=world_size, layouts=layouts, compressor=compressor,
                              transport=transport, owner=self.owner, device=self.device, timeout=timeout,
-                             packed=self._packed, nonfinite=self._on_nonfinite, fail=self.fail)
+                             committed=self._committed, nonfinite=self._on_nonfinite, fail=self.fail,
+                             clip_each_push=max_grad_norm is not None and not self.gated,
+                             send_early=grad_edits == "forbid")
         self.capture = Capture(params, layouts, self.cond, self._hand_over)
         self.owner.start()
         self.pusher.start()
@@ -128,8 +144,22 @@ class Engine:
         return self.error
 
     def check(self) -> None:
+        """Raise the recorded failure, if any (see clock.as_raised)."""
         if self.error is not None:
-            raise EngineError(f"pyasync engine failed: {self.error}") from self.error
+            self.reported = True
+            raise as_raised(self.error)
+
+    def _sticky(self, e: BaseException) -> None:
+        """A call failed while the engine was mid-step: later calls keep failing with this cause."""
+        with self.cond:
+            if self.error is None:
+                self.error = e
+            self.reported = True
+            self.cond.notify_all()
+
+    def _notify(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
 
     # -- hand-offs ----------------------------------------------------------------------------------
     def _hand_over(self, b: int) -> None:
@@ -139,9 +169,11 @@ class Engine:
         versions = {r: self.mailbox.installed_version.get((b, r), 0) for r in range(self.n)}
         self.pusher.q.put(BucketReady(b, self.clock, grads, versions, record_event(self.device)))
 
-    def _packed(self) -> None:
+    def _committed(self, clock: int, norm: float | None) -> None:
         with self.cond:
-            self.packed += 1
+            self.committed = clock
+            if norm is not None:
+                self.grad_norm = norm
             self.cond.notify_all()
 
     def _nonfinite_text(self, b: int, clock: int) -> str:
@@ -185,32 +217,67 @@ class Engine:
             text += f"; this rank's shards have not seen worker ranks {late} close"
         return text
 
-    def step(self) -> None:
-        """Push whatever is not pushed yet, wait as the policy says, install fresh values."""
+    def step(self, grad_scale: float | None = None, found_inf: bool = False) -> None:
+        """Send this step's pushes (Note [What step() pushes]), wait as the policy says, install fresh
+        values. ``grad_scale``: the GradScaler scale the gradients still carry (divided out before
+        encoding); ``found_inf``: the GradScaler found an inf or NaN (nothing of this step is applied).
+
+        A step whose wait timed out (TimeoutError naming who is missing) stays in flight: the next
+        ``step()`` first finishes it (waiting again), then pushes the gradients it is given; ``close()``
+        finishes it too. A failed peer (PeerFailure) or engine thread fails every later call."""
         if self.closed:
             raise RuntimeError("step() called after close(); create a new DistributedOptimizer")
         self.check()
-        late = self.capture.take_late_grad()
-        if late is not None:
-            raise RuntimeError(f"pyasync: {late}")
+        if self.in_flight is not None:
+            self._finish(self.in_flight)
+        self._check_grads()  # before anything is sent: a bad gradient is the caller's error, not a failure
         t = self.clock
         with self.cond:
-            nb = self.capture.flush()
-            self.wait_seconds += wait_until(
-                self.cond,
-                lambda: self.packed >= nb,
-                self.timeout,
-                lambda: f"the push thread to send the {nb - self.packed} remaining buckets of step {t}",
-                self._err,
+            self.capture.flush()
+        changed = self.capture.changed()
+        if self.grad_edits == "forbid" and (changed or grad_scale is not None or found_inf):
+            names = sorted({self.names[p] for b in changed for p in self.layouts[b].params})[:8]
+            err = RuntimeError(
+                f"pyasync: gradients changed after backward() (parameters {names}) or a GradScaler is in use, "
+                "but grad_edits='forbid' sent them while backward ran; the step is lost. Use "
+                "grad_edits='detect' (the default) to edit gradients between backward() and step()"
             )
-            if self.policy.worker_waits:
+            self._sticky(err)
+            raise err
+        regrab = {
+            b: [None if self.params[p].grad is None else _dense(self.params[p].grad) for p in self.layouts[b].params]
+            for b in changed
+        }
+        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        self.pusher.q.put(Commit(t, regrab, scale, self.max_norm_each(), bool(found_inf), record_event(self.device)))
+        self.in_flight = t
+        self._finish(t)
+
+    def _finish(self, t: int) -> None:
+        """Wait until step ``t``'s pushes are sent (and, gated, its norm is agreed) and, as the policy says,
+        answered; then install and move to the next clock."""
+        try:
+            with self.cond:
                 self.wait_seconds += wait_until(
-                    self.cond, lambda: self.mailbox.all_answered(t), self.timeout,
-                    lambda: self._missing_answers(t), self._err,
+                    self.cond, lambda: self.committed >= t, self.timeout,
+                    lambda: f"the push thread to send the pushes of step {t}", self._err,
                 )
+            if self.gated and self.gated_done < t:
+                self._gate(t)
+                self.gated_done = t
+            if self.policy.worker_waits:
+                with self.cond:
+                    self.wait_seconds += wait_until(
+                        self.cond, lambda: self.mailbox.all_answered(t), self.timeout,
+                        lambda: self._missing_answers(t), self._err,
+                    )
+        except PeerFailure as e:
+            self._sticky(e)
+            raise
+        with self.cond:
             self.capture.next_clock()
-            self.packed = 0
             self.clock = t + 1
+            self.in_flight = None
             bad = [(b, c) for b, c in self.nonfinite if c == t]
             self.nonfinite = []
         self.mailbox.install()
@@ -220,6 +287,52 @@ class Engine:
                 + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
                 "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
             )
+
+    def max_norm_each(self) -> float | None:
+        """The norm each push is clipped to (None: no per-push clipping)."""
+        return None if self.gated else self.max_grad_norm
+
+    def _check_grads(self) -> None:
+        """A clear error, naming the parameter, for a gradient the engine cannot push."""
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            name = self.names[i]
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"the gradient of parameter {name} has shape {tuple(g.shape)}, but the parameter has shape "
+                    f"{tuple(p.shape)}; assign a gradient of the parameter's shape, or None"
+                )
+            if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(
+                    f"the gradient of parameter {name} has dtype {g.dtype}; pyasync pushes float32, float16 and "
+                    "bfloat16 gradients"
+                )
+            if g.device != p.device:
+                raise ValueError(f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}")
+
+    def _gate(self, t: int) -> None:
+        """BSP with max_grad_norm: every owner's complete aggregate of round ``t`` waits here until the
+        norm of the whole mean gradient is known (all-reduce of each rank's squared norms), then
+        applies it clipped, as DDP followed by clip_grad_norm_ does."""
+        gate = self.owner.gate
+        with self.cond:
+            self.wait_seconds += wait_until(
+                self.cond, lambda: gate.complete() is not None, self.timeout,
+                lambda: f"every worker's push of step {t} (rounds of buckets {gate.missing(t)} incomplete)",
+                self._err, progress=self.owner.processed_total,
+            )
+            v = gate.complete()
+        total = torch.tensor([gate.take(v)], dtype=torch.float64)
+        try:
+            dist.all_reduce(total, group=self.control)
+        except Exception as e:  # noqa: BLE001 - a dead or stalled peer: name it when the transport saw it
+            raise collective_failure(e, self.transport, "the gradient norm's all-reduce") from e
+        norm = math.sqrt(float(total))
+        coef = min(1.0, self.max_grad_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        self.grad_norm = norm
+        self.owner.release_gate(v, coef)
 
     def no_sync(self) -> Iterator[None]:
         """Context: gradients accumulate over several backward() calls, nothing is pushed."""
@@ -242,9 +355,15 @@ class Engine:
         self.owner.wait_resumed(self.resumes, self.timeout, self._err)
 
     # -- state (between steps) ----------------------------------------------------------------------
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what} after close(): the optimizer's threads are stopped; call it before close()")
+        self.check()
+
     def snapshot(self) -> dict[int, dict]:
         """This rank's shards: {bucket: {master, version, processed, optim}} (copies), taken in their
         applier threads between pushes."""
+        self._require_open("snapshot()")
 
         def grab(ap) -> dict:
             return {
@@ -265,6 +384,7 @@ class Engine:
     def load(self, shards: dict[int, dict]) -> None:
         """Load {bucket: {master, optim}} into this rank's shards (in their applier threads) and install
         them into the local parameters. Versions and clocks are this engine's own and stay."""
+        self._require_open("load()")
 
         def put(ap) -> None:
             for b, sh in ap.shards.items():
@@ -282,6 +402,7 @@ class Engine:
 
     def masters(self) -> dict[int, torch.Tensor]:
         """Copies of the master values of this rank's shards, {bucket: values}."""
+        self._require_open("masters()")
         out: dict[int, torch.Tensor] = {}
         for part in self.owner.call(lambda ap: {b: sh.state.master.clone() for b, sh in ap.shards.items()},
                                     self.timeout):
@@ -306,25 +427,56 @@ class Engine:
         self.owner.wait_processed(want, self.timeout, self._err)
 
     # -- close --------------------------------------------------------------------------------------
+    def _progress(self) -> int:
+        """Grows while any rank still makes progress this rank can see (for close()'s deadline)."""
+        return self.owner.processed_total() + self.mailbox.delivered
+
     def close(self) -> None:
-        """Drain, serve the others until every rank has closed, install the final values, stop."""
+        """Drain, serve the others until every rank has closed, install the final values, stop. After a
+        failure: stop every thread at once and raise the failure if no call has raised it yet."""
         if self.closed:
             return
         self.closed = True
+        if self.error is not None:  # closing after a failure: stop, and say why unless a call already did
+            self.capture.remove()
+            self.abort()
+            if not self.reported:
+                self.check()
+            return
         ok = False
         try:
-            self.check()
             self.pusher.q.put(Control(wire.CLOSE, self.clock))
-            with self.cond:
-                self.wait_seconds += wait_until(
-                    self.cond, self.mailbox.all_final, self.timeout, self._missing_finals, self._err
-                )
+            while True:
+                with self.cond:
+                    self.wait_seconds += wait_until(
+                        self.cond,
+                        lambda: self.mailbox.all_final() or (self.gated and self.owner.gate.complete() is not None),
+                        self.timeout, self._missing_finals, self._err, progress=self._progress,
+                    )
+                    done = self.mailbox.all_final()
+                if done:
+                    break
+                self._gate(self.clock)  # a slower rank's round: this rank still helps clip it
             self.mailbox.install(final=True)
             ok = True
+        except BaseException as e:
+            self._sticky(e)
+            raise
         finally:
             self.capture.remove()
             if ok:
                 self._stop()
+            else:
+                self.abort()
+
+    def abort(self) -> None:
+        """Stop every engine thread at once (after a failure): wake what waits, join, close the sockets."""
+        if self.transport is not None:
+            self.transport.abort()
+        self.owner.abort()
+        self.pusher.q.put(Stop(None))
+        for t in self.threads():
+            t.join(min(5.0, self.timeout.total_seconds()))
 
     def _stop(self) -> None:
         self.pusher.q.put(Stop(self.timeout))
@@ -334,6 +486,7 @@ class Engine:
             self.mailbox.thread.join(self.timeout.total_seconds())
         alive = [t.name for t in self.threads() if t.is_alive()]
         if alive:
+            self.abort()
             raise TimeoutError(f"pyasync: threads {alive} did not stop within {self.timeout}")
         self.check()
         if self.transport is not None:
@@ -367,4 +520,7 @@ class Engine:
         st.wait_seconds = self.wait_seconds
         st.compression_ratio = p.raw_bytes / p.enc_bytes if p.enc_bytes else 1.0
         st.pushes_sent = p.pushes_sent
+        st.grad_norm = self.grad_norm
+        st.buckets_reencoded = p.reencoded
+        st.intake_peak = self.owner.push_pool.peak if self.owner.push_pool is not None else 0
         return st

@@ -19,7 +19,7 @@ from pyasync.engine.messages import Reply
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.streams import used_here, wait_event
 from pyasync.ops import bucketing as ops_bucketing
-from pyasync.transport.base import Transport
+from pyasync.transport.base import Transport, TransportClosed
 
 __all__ = ["Mailbox"]
 
@@ -52,6 +52,7 @@ class Mailbox:
         self.reading: list[Reply] = []  # replies install() is reading (outside cond)
         self.orphans: list[Reply] = []  # replies superseded while being read
         self.bytes_received = 0
+        self.delivered = 0  # replies delivered so far (progress, for close()'s deadline)
         remote = {k for k in keys if k[1] != rank}
         self.pool = (
             transport.recv_pool(spec.max_reply_frame(), 2 * len(keys) + 2, self.device)
@@ -93,6 +94,7 @@ class Mailbox:
             self.answered[key] = max(self.answered[key], rep.clock)
             if rep.final:
                 self.finals.add(key)
+            self.delivered += 1
             self.cond.notify_all()
 
     def _loop(self, expected_finals: set) -> None:
@@ -109,6 +111,8 @@ class Mailbox:
                 self.deliver(Reply(h.bucket, h.shard, h.version, h.clock, values, clocks, h.final, frame))
                 if h.final:
                     expected_finals.discard((h.bucket, h.shard))
+        except TransportClosed:
+            return  # stopped on purpose (close after a failure)
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("worker reply receiver thread", e)
 

@@ -17,9 +17,11 @@ __all__ = [
     "BucketReady",
     "Call",
     "Close",
+    "Commit",
     "Control",
     "Pause",
     "Push",
+    "Release",
     "Reply",
     "Result",
     "Stop",
@@ -49,6 +51,14 @@ class Close:
 
 
 @dataclass
+class Release:
+    """A gated round of ``bucket`` may apply its update, scaled by ``scale`` (the clip coefficient)."""
+
+    bucket: int
+    scale: float
+
+
+@dataclass
 class Pause:
     """Worker ``worker`` waits in a barrier (``on``) or is back."""
 
@@ -66,9 +76,10 @@ class Call:
 
 @dataclass
 class Stop:
-    """Finish: wait (at most ``timeout``) for the sends in flight, then end the thread."""
+    """Finish: wait (at most ``timeout``) for the sends in flight, then end the thread (None: after a
+    failure, end at once)."""
 
-    timeout: datetime.timedelta
+    timeout: datetime.timedelta | None
 
 
 # -- to the push thread (worker side) ---------------------------------------------------------------
@@ -81,6 +92,23 @@ class BucketReady:
     clock: int
     grads: list[torch.Tensor | None]
     versions: dict[int, int]
+    event: Any = None
+
+
+@dataclass
+class Commit:
+    """step() confirms clock ``clock``: send every bucket's push (Note [What step() pushes]).
+
+    regrab: buckets whose gradients changed after the hooks saw them -> their gradients now (encode
+    them again). scale: a factor on every gradient (1 / the GradScaler scale). clip: the largest norm
+    this worker's push may have (per-push clipping), or None. skip: send every push as non-finite
+    (GradScaler found an inf: nothing of this step is applied anywhere)."""
+
+    clock: int
+    regrab: dict[int, list[torch.Tensor | None]]
+    scale: float = 1.0
+    clip: float | None = None
+    skip: bool = False
     event: Any = None
 
 

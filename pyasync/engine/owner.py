@@ -11,12 +11,24 @@ Threads (see docs/architecture.md, "Threads"):
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback. Send frames and receive pools are the transport's (Note [Frame
 reuse] in pyasync/transport/frames.py).
+
+Note [Bounded intake]
+    An owner never holds more than ``intake_limit(n, S)`` = 2 n S + 2 n received pushes (S: the shards it
+    owns, n: the workers), queued or being applied: the receiver takes a buffer from a pool with that
+    limit and waits when it is exhausted, so it stops reading, TCP's flow control stops the senders'
+    writes, and their push threads (then their ``step()``) wait: a slow owner slows its senders down
+    instead of growing without bound. The limit leaves room for what a round may hold back (under BSP
+    and Quorum at most one push per worker and shard waits for lower ranks, Note [Rank-order sum]) plus
+    one more push per worker, so a round can always complete. This rank's own pushes skip the network
+    and are bounded apart: at most 2 per owned shard wait for the applier (``local_push`` waits, at most
+    the timeout without progress).
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,14 +36,53 @@ import torch
 from pyasync.engine import wire
 from pyasync.engine.applier import Applier, OwnedShard
 from pyasync.engine.clock import wait_until
-from pyasync.engine.messages import Close, Pause, Push, Reply, Stop
+from pyasync.engine.messages import Close, Pause, Push, Release, Reply, Stop
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.streams import record_event
 from pyasync.ops._common import Payload
 from pyasync.policy import Policy
-from pyasync.transport.base import Transport
+from pyasync.transport.base import Transport, TransportClosed
+from pyasync.transport.frames import PoolClosed
 
-__all__ = ["Owner"]
+__all__ = ["ClipGate", "Owner", "intake_limit"]
+
+_time = time.monotonic
+
+
+def intake_limit(world_size: int, owned: int) -> int:
+    """Received pushes an owner of ``owned`` shards may hold at once (Note [Bounded intake])."""
+    return 2 * world_size * max(1, owned) + 2 * world_size
+
+
+class ClipGate:
+    """Collects, per version, the squared norm of every owned shard's complete aggregate (gated rounds:
+    BSP's clipping of the mean gradient). Applier threads report; the engine's training thread takes a
+    complete version, all-reduces it with the other ranks and releases the rounds."""
+
+    def __init__(self, buckets: list[int], notify: Callable[[], None]) -> None:
+        self.buckets = set(buckets)
+        self.notify = notify
+        self.lock = threading.Lock()
+        self.parts: dict[int, dict[int, float]] = {}  # version -> bucket -> squared norm
+
+    def report(self, version: int, bucket: int, sq: float) -> None:
+        with self.lock:
+            self.parts.setdefault(version, {})[bucket] = sq
+        self.notify()
+
+    def complete(self) -> int | None:
+        """The oldest version every owned shard reported, or None."""
+        with self.lock:
+            done = [v for v, p in self.parts.items() if set(p) == self.buckets]
+        return min(done) if done else None
+
+    def take(self, version: int) -> float:
+        with self.lock:
+            return sum(self.parts.pop(version).values())
+
+    def missing(self, version: int) -> list[int]:
+        with self.lock:
+            return sorted(self.buckets - set(self.parts.get(version, {})))
 
 
 class Owner:
@@ -52,6 +103,8 @@ class Owner:
         fail: Callable[[str, BaseException], None],
         num_appliers: int = 2,
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        gated: bool = False,
+        notify: Callable[[], None] = lambda: None,
     ) -> None:
         self.rank, self.n = rank, world_size
         self.timeout = timeout  # for frame reuse (a peer that stopped receiving)
@@ -68,17 +121,25 @@ class Owner:
         for j, b in enumerate(owned):
             lay = layouts[b].shards[rank]
             a = self.appliers[j % len(self.appliers)]
-            a.shards[b] = OwnedShard(policy.round(world_size, len(lay.segments), b), rule.new_state(lay, masters[b]))
+            rnd = policy.round(world_size, len(lay.segments), b, gated=gated)
+            a.shards[b] = OwnedShard(rnd, rule.new_state(lay, masters[b]))
             self.route[b] = a
+        self.gate = ClipGate(owned, notify) if gated else None
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
         # Push receive buffers, recycled once the push is applied, summed or dropped; sized by this
         # rank's layout only.
         self.push_pool = (
-            transport.recv_pool(spec.max_push_frame(), 2 * world_size * max(1, len(owned)), self.device)
+            transport.recv_pool(spec.max_push_frame(), 2 * world_size * max(1, len(owned)), self.device,
+                                limit=intake_limit(world_size, len(owned)))
             if transport is not None
             else None
         )
+        # This rank's own pushes waiting for the applier (Note [Bounded intake]).
+        self.local_limit = 2 * max(1, len(owned))
+        self.local_out = 0
+        self.local_cond = threading.Condition()
+        self.aborted = False
         self.rings: dict[tuple[int, int], object] = {}  # (bucket, worker) -> the transport's reply frames
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
@@ -95,7 +156,44 @@ class Owner:
             self.receiver.start()
 
     def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool], event) -> None:
+        """Queue this rank's own push for its applier, waiting while ``local_limit`` of them are queued
+        (at most the timeout without one being consumed)."""
+        with self.local_cond:
+            seen = self.processed_total()
+            deadline = _time() + self.timeout.total_seconds()
+            while self.local_out >= self.local_limit and not self.aborted:
+                left = deadline - _time()
+                if self.processed_total() != seen:  # progress: the deadline starts again
+                    seen, deadline = self.processed_total(), _time() + self.timeout.total_seconds()
+                elif left <= 0:
+                    raise TimeoutError(
+                        f"pyasync: rank {self.rank}'s own appliers took none of its pushes for {self.timeout} "
+                        f"({self.local_out} waiting)"
+                    )
+                self.local_cond.wait(min(max(left, 0.01), 1.0))
+            if self.aborted:
+                raise PoolClosed("the owner was stopped")
+            self.local_out += 1
         self.route[b].q.put(Push(b, self.rank, clock, version, payload, tuple(mask), None, event))
+
+    def processed_total(self) -> int:
+        """Pushes processed by this rank's shards so far (only grows; read without locks)."""
+        return sum(sum(sh.round.processed) for a in self.appliers for sh in list(a.shards.values()))
+
+    def release_gate(self, version: int, scale: float) -> None:
+        """Open the gated rounds of ``version`` (every owned shard), scaling their updates by ``scale``."""
+        for b, a in self.route.items():
+            a.q.put(Release(b, scale))
+
+    def abort(self) -> None:
+        """Wake every thread of the owner that waits (the receiver on its pool, local pushes, appliers)."""
+        self.aborted = True
+        if self.push_pool is not None:
+            self.push_pool.close()
+        with self.local_cond:
+            self.local_cond.notify_all()
+        for a in self.appliers:
+            a.q.put(Stop(None))
 
     def local_close(self) -> None:
         for a in self.appliers:
@@ -130,9 +228,14 @@ class Owner:
 
     # -- applier callbacks ----------------------------------------------------------------------------
     def release(self, push: Push) -> None:
-        """A push's payload is consumed: its receive buffer goes back to the pool."""
+        """A push's payload is consumed: its receive buffer goes back to the pool (or, for this rank's
+        own push, its slot in the local intake)."""
         if push.frame is not None and self.push_pool is not None:
             self.push_pool.put(push.frame)
+        elif push.worker == self.rank:
+            with self.local_cond:
+                self.local_out -= 1
+                self.local_cond.notify_all()
 
     def progressed(self) -> None:
         if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
@@ -218,6 +321,8 @@ class Owner:
                                   payload.finite)
                 mask_t = tuple(bool(m) for m in mask.tolist())
                 self.route[h.bucket].q.put(Push(h.bucket, src, h.clock, h.version, payload, mask_t, frame))
+        except (TransportClosed, PoolClosed):
+            return  # stopped on purpose (close after a failure)
         except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
             self.fail("owner receiver thread", e)
 

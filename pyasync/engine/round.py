@@ -6,7 +6,9 @@ An owner keeps one :class:`Round` per shard it owns. Every message about that sh
 
 * :class:`Apply`: apply this one push as an update of its own (SSP, ASP), gradient scaled by 1/n;
 * :class:`Sum`: add this push to the round's aggregate (BSP, Quorum; late pushes under ``fold``);
-* :class:`Update`: apply the aggregate as one update on the masked-in segments, then clear it;
+* :class:`Update`: apply the aggregate (x ``scale``) as one update on the masked-in segments, then clear it;
+* :class:`Gate`: (gated rounds) the aggregate of ``version`` is complete; its update waits for
+  :meth:`AggregateRound.release` (BSP's clipping of the mean gradient needs every shard's norm first);
 * :class:`Release`: the push will not be used (dropped, skipped, or already summed elsewhere);
 * :class:`Answer`: send the shard's current values to these workers (``final``: the last word).
 
@@ -38,9 +40,20 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyasync.engine.errors import ProtocolError
+from pyasync.errors import ProtocolError
 
-__all__ = ["Action", "AggregateRound", "Answer", "Apply", "PushRound", "Release", "Round", "Sum", "Update"]
+__all__ = [
+    "Action",
+    "AggregateRound",
+    "Answer",
+    "Apply",
+    "Gate",
+    "PushRound",
+    "Release",
+    "Round",
+    "Sum",
+    "Update",
+]
 
 
 # -- actions -----------------------------------------------------------------------------------------
@@ -61,9 +74,18 @@ class Sum:
 
 @dataclass(frozen=True)
 class Update:
-    """Apply the aggregate as one update on the segments whose ``mask`` entry is True; then zero it."""
+    """Apply ``scale`` x the aggregate as one update on the segments whose ``mask`` entry is True; then
+    zero it."""
 
     mask: tuple[bool, ...]
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The aggregate of ``version`` is complete and waits for ``release(scale)``."""
+
+    version: int
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,7 @@ class Answer:
     final: bool = False
 
 
-Action = Apply | Sum | Update | Release | Answer
+Action = Apply | Sum | Update | Gate | Release | Answer
 
 
 @dataclass
@@ -186,9 +208,13 @@ class Round:
         """Every worker has closed: whatever is outstanding is applied (before the final answer)."""
         return []
 
+    def _waiting(self) -> bool:
+        """An update waits for something outside the round (a gate): no final answer yet."""
+        return False
+
     # -- shared ---------------------------------------------------------------------------------------
     def _maybe_finish(self) -> list:
-        if self.finalized or not all(self.closed):
+        if self.finalized or not all(self.closed) or self._waiting():
             return []
         out = self._flush()
         self.finalized = True
@@ -258,8 +284,12 @@ class PushRound(Round):
 class AggregateRound(Round):
     """BSP and Quorum(k): one update from the mean of a round's pushes (see the module docstring)."""
 
-    def __init__(self, policy: Any, world_size: int, n_segments: int, name: Hashable = 0) -> None:
+    def __init__(
+        self, policy: Any, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False
+    ) -> None:
         super().__init__(policy, world_size, n_segments, name)
+        self.gated = gated  # a complete aggregate waits for release(scale) (Gate action)
+        self.parked: tuple | None = None  # (mask or None, waiters, fresh, fold_stale) of a gated update
         self.pushers: set[int] = set()  # workers with a fresh push in this round (finite or not)
         self.fresh = 0  # finite fresh pushes in the aggregate
         self.fold_stale: list[int] = []  # staleness of late pushes folded into the aggregate
@@ -326,24 +356,45 @@ class AggregateRound(Round):
                     out.append(Sum(item))
         return out
 
+    def _waiting(self) -> bool:
+        return self.parked is not None
+
     def _maybe_update(self, force: bool = False) -> list:
+        if self.parked is not None:
+            return []  # the last aggregate still waits for its gate
         if not force and not (self.pushers and self.policy.update_ready(self.pushers, self._absent(), self.n)):
             return []
         out = self._sum_in_order(flush=True)
         self.next = 0
-        if self.fresh or self.fold_stale:
-            out.append(Update(tuple(self.mask)))
-            self.version += 1
-            self.c.updates += 1
-            self.c.applied += self.fresh + len(self.fold_stale)
-            if self.fresh:
-                self.c.stale(0, self.fresh)
-            for s in self.fold_stale:
-                self.c.stale(s)
+        done = (tuple(self.mask) if self.fresh or self.fold_stale else None, tuple(sorted(self.pending.items())),
+                self.fresh, self.fold_stale)
         self.mask = [False] * self.n_segments
         self.pushers, self.fresh, self.fold_stale = set(), 0, []
-        waiters = tuple(sorted(self.pending.items()))
         self.pending.clear()
+        if self.gated:
+            self.parked = done
+            return [*out, Gate(self.version)]
+        return out + self._finish_update(done, 1.0)
+
+    def release(self, scale: float) -> list:
+        """The gate of a parked aggregate opens: apply it x ``scale`` and answer its workers."""
+        if self.parked is None:
+            raise ProtocolError(f"bucket {self.name}: release() without a gated update waiting")
+        done, self.parked = self.parked, None
+        return self._finish_update(done, scale) + self._maybe_finish()
+
+    def _finish_update(self, done: tuple, scale: float) -> list:
+        mask, waiters, fresh, fold_stale = done
+        out: list = []
+        if mask is not None:
+            out.append(Update(mask, scale))
+            self.version += 1
+            self.c.updates += 1
+            self.c.applied += fresh + len(fold_stale)
+            if fresh:
+                self.c.stale(0, fresh)
+            for s in fold_stale:
+                self.c.stale(s)
         if waiters:
             out.append(Answer(waiters))
         return out

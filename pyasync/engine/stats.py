@@ -22,6 +22,11 @@ class Stats:
     bytes_sent / bytes_received: bytes this rank put on / took off the network (headers included).
     wait_seconds: seconds step() and close() spent waiting for the policy.
     compression_ratio: fp32 bytes of the pushed gradient slices / encoded bytes (1.0 uncompressed).
+    grad_norm: with max_grad_norm, the norm of the last step's gradient before clipping (under BSP the
+        mean gradient's, as DDP + clip_grad_norm_; otherwise this worker's push); None without.
+    buckets_reencoded: buckets encoded again in step() because their gradients changed after backward
+        (or were unscaled or clipped there); see Note [What step() pushes].
+    intake_peak: most received pushes this rank's owner held at once (bounded, Note [Bounded intake]).
     """
 
     clock: int = 0
@@ -36,3 +41,6 @@ class Stats:
     compression_ratio: float = 1.0
     pushes_sent: int = 0
     updates_applied: int = 0
+    grad_norm: float | None = None
+    buckets_reencoded: int = 0
+    intake_peak: int = 0

@@ -26,9 +26,13 @@ import torch
 
 from pyasync.transport.frames import FramePool, FrameRing, SendFrame
 
-__all__ = ["FLOWS", "Handle", "Transport"]
+__all__ = ["FLOWS", "Handle", "Transport", "TransportClosed"]
 
 FLOWS = ("push", "reply")
+
+
+class TransportClosed(RuntimeError):
+    """The transport was closed or aborted while a thread waited on it (a normal way for receivers to stop)."""
 
 
 class Handle(abc.ABC):
@@ -75,6 +79,14 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
 
+    def abort(self) -> None:
+        """Stop at once, after a failure: wake every thread waiting on the transport if it can."""
+        self.close()
+
+    def wait_failures(self, seconds: float) -> dict[int, str]:
+        """Peers this transport saw fail (rank -> what happened), waiting up to ``seconds`` for one."""
+        return {}
+
     # -- staging and reuse (concrete; see the module docstring) ----------------------------------------
     def frame_ring(self, nbytes: int, device: torch.device, count: int = 2) -> FrameRing:
         """``count`` reusable send frames of ``nbytes`` on ``device`` (the engine's), used in turn."""
@@ -92,9 +104,10 @@ class Transport(abc.ABC):
             buf = frame.host
         frame.handle = self.send(buf, dst, flow)
 
-    def recv_pool(self, nbytes: int, keep: int, device: torch.device) -> FramePool:
-        """A pool of receive buffers of ``nbytes`` for messages to the engine on ``device``."""
-        return FramePool(nbytes, keep, "cpu" if self.host_buffers else device)
+    def recv_pool(self, nbytes: int, keep: int, device: torch.device, limit: int | None = None) -> FramePool:
+        """A pool of receive buffers of ``nbytes`` for messages to the engine on ``device`` (at most
+        ``limit`` out at once)."""
+        return FramePool(nbytes, keep, "cpu" if self.host_buffers else device, limit)
 
     def land(self, tensors: list[torch.Tensor | None], device: torch.device) -> tuple[list, bool]:
         """``tensors`` (views into a received buffer) on ``device``: themselves when already there, else

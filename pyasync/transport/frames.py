@@ -16,12 +16,12 @@ Note [Frame reuse]
 from __future__ import annotations
 
 import datetime
-import queue
+import threading
 from typing import Any
 
 import torch
 
-__all__ = ["FramePool", "FrameRing", "SendFrame"]
+__all__ = ["FramePool", "FrameRing", "PoolClosed", "SendFrame"]
 
 
 class SendFrame:
@@ -71,30 +71,59 @@ class FrameRing:
             fr.handle = None
 
 
+class PoolClosed(RuntimeError):
+    """A receive pool was closed while a receiver waited for a free buffer."""
+
+
 class FramePool:
     """Receive buffers of one size, recycled: a receiver takes one (or a new one when none is free), and
     whoever consumes the message gives it back once nothing reads it any more. At most ``keep`` free
-    buffers are kept; more are dropped, so a backlog does not pin its peak in memory for good.
-    Thread-safe."""
+    buffers are kept; more are dropped, so a backlog does not pin its peak in memory for good. With a
+    ``limit``, at most that many buffers are out at once: ``get`` waits until one comes back (the
+    bounded intake that pushes back on senders, see pyasync/engine/owner.py). Thread-safe."""
 
-    def __init__(self, nbytes: int, keep: int = 8, device: torch.device | str = "cpu") -> None:
+    def __init__(self, nbytes: int, keep: int = 8, device: torch.device | str = "cpu", limit: int | None = None) -> None:
         self.nbytes = nbytes
         self.keep = keep
+        self.limit = limit
         self.device = torch.device(device)
         self.allocated = 0  # buffers made so far (for tests and stats: flat in steady state)
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self.out = 0  # buffers taken and not given back
+        self.peak = 0  # most buffers out at once
+        self._free: list[torch.Tensor] = []
+        self._cond = threading.Condition()
+        self._closed = False
 
     def get(self) -> torch.Tensor:
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
+        """A free buffer (a new one when none is free), waiting while ``limit`` buffers are out."""
+        with self._cond:
+            while self.limit is not None and self.out >= self.limit and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise PoolClosed("the receive pool was closed")
+            self.out += 1
+            self.peak = max(self.peak, self.out)
+            if self._free:
+                return self._free.pop()
             self.allocated += 1
-            return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
 
     def free(self) -> int:
         """Buffers waiting for reuse (at most ``keep``)."""
-        return self._free.qsize()
+        return len(self._free)
 
     def put(self, buf: torch.Tensor | None) -> None:
-        if buf is not None and self._free.qsize() < self.keep:
-            self._free.put(buf)
+        """Give a buffer back (None: nothing to give back)."""
+        if buf is None:
+            return
+        with self._cond:
+            self.out -= 1
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wake a receiver waiting in ``get`` (it raises PoolClosed)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -12,7 +12,6 @@ field against what they expect before looking at the payload, and raise :class:`
 sender and the field. See Note [One message per push] in docs/architecture.md.
 """
 
-from pyasync.engine.errors import WireError
 from pyasync.engine.wire.header import (
     CLOSE,
     CONTROL_KINDS,
@@ -46,6 +45,7 @@ from pyasync.engine.wire.layout import (
     unpack_reply,
 )
 from pyasync.engine.wire.spec import WireSpec
+from pyasync.errors import WireError
 from pyasync.ops._common import CODEC_IDS
 
 __all__ = [

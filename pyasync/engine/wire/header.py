@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyasync.engine.errors import WireError
+from pyasync.errors import WireError
 
 __all__ = [
     "CLOSE",

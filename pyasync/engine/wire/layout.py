@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pyasync.engine.errors import WireError
 from pyasync.engine.wire.header import HEADER_BYTES, KIND_NAMES, Header, seal
+from pyasync.errors import WireError
 from pyasync.ops._common import CODE_DTYPES, CODEC_NAMES, Payload, payload_parts
 
 __all__ = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pyasync.engine.errors import WireError
 from pyasync.engine.wire.header import CONTROL_KINDS, HEADER_BYTES, KIND_NAMES, PUSH, REPLY, Header
 from pyasync.engine.wire.layout import push_parts, reply_parts
+from pyasync.errors import WireError
 from pyasync.ops._common import CODEC_IDS, CODEC_NAMES
 
 __all__ = ["WireSpec"]

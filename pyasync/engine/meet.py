@@ -1,0 +1,92 @@
+"""Meeting the other ranks with a deadline that names who is missing.
+
+``join`` is a barrier through the job's store: each rank sets its own key and waits (at most
+``timeout``) for every rank's key. When the wait times out, every rank reads which keys are missing,
+so every rank names the same late, hung or dead ranks in the same exception. Used where ranks first
+meet (the optimizer's construction), where a plain collective would wait the process group's own
+timeout (30 minutes by default) and then report an address and a port.
+
+``collective_failure`` turns a failed collective (a gloo error or timeout) into a PeerFailure naming the
+ranks the transport saw fail, when it saw any.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+
+import torch.distributed as dist
+
+from pyasync.errors import PeerFailure
+
+__all__ = ["collective_failure", "control_group", "join", "store"]
+
+_generation = itertools.count()  # joins made by this process (the same sequence on every rank)
+
+
+def store():
+    """The job's store (the one torch.distributed was initialised with), or None when unavailable."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store  # noqa: PLC0415
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - an older or newer torch: fall back to collectives
+        return None
+
+
+def _global_ranks(group) -> list[int]:
+    n = dist.get_world_size(group)
+    return [dist.get_global_rank(group, r) for r in range(n)] if group is not None else list(range(n))
+
+
+def join(group, timeout: datetime.timedelta, what: str) -> None:
+    """Wait until every rank of ``group`` reached this point (at most ``timeout``); PeerFailure naming the
+    ranks that did not (by their rank in ``group``) otherwise."""
+    ranks = _global_ranks(group)
+    if len(ranks) == 1:
+        return
+    gen = next(_generation)
+    st = store()
+    if st is None:  # no store: gloo's monitored barrier names at least the missing ranks on rank 0
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        return
+    prefix = f"pyasync/join/{gen}/{'-'.join(map(str, ranks))}"
+    keys = [f"{prefix}/{g}" for g in ranks]
+    st.set(keys[ranks.index(dist.get_rank())], "1")
+    try:
+        st.wait(keys, timeout)
+    except Exception as e:  # noqa: BLE001 - a store timeout: find out who is missing
+        missing = [r for r, k in enumerate(keys) if not st.check([k])]
+        raise PeerFailure(
+            f"pyasync: ranks {missing} did not reach {what} within {timeout.total_seconds():g} s "
+            "(late, hung or dead); every rank of the process group must create the optimizer",
+            missing,
+        ) from e
+
+
+def control_group(group, timeout: datetime.timedelta):
+    """A private gloo group of ``group``'s ranks (same order) whose collectives wait at most ``timeout``:
+    the optimizer runs its own collectives there (agreement, broadcast, barrier, checkpoints), so they
+    never wait the user group's timeout and never mix with the user's collectives."""
+    ranks = _global_ranks(group)
+    g = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                       use_local_synchronization=group is not None, sort_ranks=False)
+    if dist.get_rank(g) != dist.get_rank(group):
+        raise RuntimeError(f"private group rank {dist.get_rank(g)} != process_group rank {dist.get_rank(group)}")
+    return g
+
+
+def collective_failure(e: BaseException, transport, what: str) -> BaseException:
+    """The exception to raise for a collective ``what`` that failed with ``e``: a PeerFailure naming the
+    ranks the transport saw fail (waiting briefly for its receivers to notice), else ``e`` itself."""
+    if isinstance(e, PeerFailure):
+        return e
+    failed = transport.wait_failures(5.0) if transport is not None else {}
+    if failed:
+        ranks = sorted(failed)
+        err = PeerFailure(
+            f"pyasync: {what} failed: rank(s) {ranks} failed ({'; '.join(failed[r] for r in ranks)})", ranks
+        )
+        err.__cause__ = e
+        return err
+    return e
