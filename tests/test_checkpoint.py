@@ -134,8 +134,9 @@ def test_resume_is_bit_identical(tmp_path, world, kinds):
     assert m["clocks"] == [K] * world
     assert len(m["shards"]) == world and all(len(s["sha256"]) == 64 for s in m["shards"])
     assert sorted(os.listdir(tmp_path / kinds[0])) == sorted(
-        ["manifest.json"] + [s["file"] for s in m["shards"]]
+        ["manifest.json", ".pyasync-lock"] + [s["file"] for s in m["shards"]]
     )
+    assert (tmp_path / kinds[0] / ".pyasync-lock").read_bytes() == b"", "the lock was not released"
 
 
 def _state(model, opt) -> list[torch.Tensor]:
