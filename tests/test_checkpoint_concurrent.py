@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from _dist import multiproc, run_workers
-from test_checkpoint import _make, _state, _train_step
+from test_checkpoint import _equal, _make, _state, _train_step
 
 from pyasync.checkpoint import lock as dirlock
 from pyasync.checkpoint.common import host_id
@@ -48,10 +48,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _wait(ev, what: str) -> None:
     if not ev.wait(WAIT):
         raise TimeoutError(f"{what} did not happen within {WAIT:g} s")
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _opt_state(opt) -> list[torch.Tensor]:
@@ -281,7 +277,7 @@ def _one_rank(rank, world, root):
     out["ours_kept"] = all(os.path.exists(os.path.join(d, f)) for f in out["keep"])
     model2, opt2 = _make("adamw", seed=1)
     pyasync.load_checkpoint(d, opt2)  # the newer manifest: copies of the second save's files
-    out["newer_loads"] = _same(at_second, _state(model2, opt2))
+    out["newer_loads"] = _equal(at_second, _state(model2, opt2))
     opt2.close()
 
     # No flock here: the save warns and goes on; its cleanup deletes only the replaced manifest's
@@ -309,7 +305,7 @@ def _one_rank(rank, world, root):
     out["replaced_deleted"] = not any(os.path.exists(os.path.join(d, f)) for f in replaced)
     model3, opt3 = _make("adamw", seed=2)
     pyasync.load_checkpoint(d, opt3)
-    out["unlocked_loads"] = _same(at_third, _state(model3, opt3))
+    out["unlocked_loads"] = _equal(at_third, _state(model3, opt3))
     opt3.close()
 
     _train_step(model, opt, rank, 3)
@@ -363,7 +359,7 @@ def _refused(rank, world, d, policy, saved, locked, tried, released):
     opt.close()
     _, opt2 = _make("sgd", seed=7, policy=policy)
     pyasync.load_checkpoint(d, opt2)
-    out = {"err": err, "loads_last": _same(last, _opt_state(opt2))}
+    out = {"err": err, "loads_last": _equal(last, _opt_state(opt2))}
     opt2.close()
     return out
 
@@ -446,7 +442,7 @@ def _writer_a(rank, world, d, holding, go, a_done):
     opt.close()
     model2, opt2 = _make("adamw", seed=3)
     pyasync.load_checkpoint(d, opt2)
-    loads = _same(mine, _state(model2, opt2))
+    loads = _equal(mine, _state(model2, opt2))
     opt2.close()
     dist.barrier()
     if rank == 0:
@@ -477,7 +473,7 @@ def _writer_b(rank, world, d, go, a_done):
     opt.close()
     model2, opt2 = _make("adamw", seed=4)
     pyasync.load_checkpoint(d, opt2)
-    loads = _same(mine, _state(model2, opt2))
+    loads = _equal(mine, _state(model2, opt2))
     opt2.close()
     return {"err": err, "loads_own": loads}
 
@@ -712,9 +708,9 @@ def _load_race(rank, world, root):
             out[case] = (type(e).__name__, str(e))
         finally:
             load_mod.read_manifest = real
-        out[f"{case}_untouched"] = _same(before, _state(model2, opt2))
+        out[f"{case}_untouched"] = _equal(before, _state(model2, opt2))
         pyasync.load_checkpoint(d, opt2)  # the retry loads checkpoint two
-        out[f"{case}_retry"] = _same(at_two, _state(model2, opt2))
+        out[f"{case}_retry"] = _equal(at_two, _state(model2, opt2))
         before = _state(model2, opt2)
 
     # A file missing under an unchanged manifest is a broken checkpoint, not a changed one.
