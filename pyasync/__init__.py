@@ -10,7 +10,7 @@ actionable error instead (see pyasync._ext).
 __version__ = "0.1.0"
 
 from pyasync import compression
-from pyasync.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pyasync.checkpoint import CheckpointChanged, CheckpointError, load_checkpoint, save_checkpoint
 from pyasync.engine.stats import Stats
 from pyasync.errors import NonFiniteGradientError, PeerFailure
 from pyasync.optimizer import DistributedOptimizer
@@ -19,6 +19,7 @@ from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
 __all__ = [
     "ASP",
     "BSP",
+    "CheckpointChanged",
     "CheckpointError",
     "SSP",
     "DistributedOptimizer",

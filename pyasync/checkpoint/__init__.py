@@ -7,13 +7,14 @@ Directory layout (see docs/reliability.md, "Checkpoints"):
 
     manifest.json                          written last by rank 0; its presence commits the checkpoint
     shard-<save id>-r<rank>-of-<n>.pt      rank r's DistributedOptimizer.state_dict() (torch.save)
+    .pyasync-lock                          the writers' lock (flock; holder's pid and host while held)
 
-Modules: common.py (format, errors, atomic writes), save.py, validate.py (reading and checking),
-reshard.py (another world size), load.py.
+Modules: common.py (format, errors, atomic writes), lock.py (the directory lock), save.py,
+validate.py (reading and checking), reshard.py (another world size), load.py.
 """
 
-from pyasync.checkpoint.common import CheckpointError
+from pyasync.checkpoint.common import CheckpointChanged, CheckpointError
 from pyasync.checkpoint.load import load_checkpoint
 from pyasync.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointChanged", "CheckpointError", "load_checkpoint", "save_checkpoint"]

@@ -6,14 +6,21 @@ Every file is written to a temporary name in the same directory, fsync'ed, then 
 place, and the directory is fsync'ed. Shard file names carry a fresh random save id, so a new save
 never overwrites the shard files that the current manifest names: until rank 0 replaces the manifest
 (after every rank reported its shard written, with its sha256), the previous checkpoint stays whole
-and loadable. Only after the new manifest is in place does rank 0 delete shard files it no longer
-names. A crash at any point leaves either the old or the new checkpoint, never a mix.
+and loadable. Only after the new manifest is in place does rank 0 delete shard files that no manifest
+on disk names any more (Note [Checkpoint cleanup] in save.py). A crash at any point leaves either the
+old or the new checkpoint, never a mix. Concurrent saves into one directory are excluded by a lock
+(Note [Checkpoint directory lock] in lock.py); loads take no lock (Note [Loading while a save
+commits] in load.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import re
+import socket
 import tempfile
 from typing import Any
 
@@ -27,10 +34,20 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-[0-9a-f]{16}-r\d+-of-\d+\.pt$")
 TMP_PREFIX = ".pyasync-tmp-"
+# A temporary file's name says who writes it: .pyasync-tmp-<host id>-<pid>-<random> (Note [Checkpoint
+# cleanup] in save.py). Older pyasync wrote .pyasync-tmp-<random>; those only age out.
+TMP_RE = re.compile(r"^\.pyasync-tmp-([0-9a-f]{8})-(\d+)-")
+SAVE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded (missing, truncated, corrupt, foreign, mismatched)."""
+    """A checkpoint that cannot be saved or loaded (missing, truncated, corrupt, foreign, mismatched),
+    or a save refused because another save is writing to the same directory."""
+
+
+class CheckpointChanged(CheckpointError):
+    """A concurrent save replaced the checkpoint while it was being loaded (a file the manifest named
+    was removed, or the ranks read different manifests); nothing was loaded: retry the load."""
 
 
 def check_args(path: Any, opt: Any, what: str) -> str:
@@ -59,24 +76,46 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def host_id() -> str:
+    """8 hex digits naming this host in temporary file names."""
+    return hashlib.sha1(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def atomic_write(path: str, data: bytes) -> int:
     """Write ``data`` to ``path`` atomically: temporary file in the same directory, fsync, os.replace,
-    fsync of the directory. See Note [Checkpoint atomicity]."""
+    fsync of the directory. See Note [Checkpoint atomicity]. Returns the file's modification time
+    (ns) as written, before the rename."""
     d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{host_id()}-{os.getpid()}-", dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            mtime_ns = os.fstat(f.fileno()).st_mtime_ns
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     _fsync_dir(d)
+    return mtime_ns
+
+
+def manifest_names(d: str) -> tuple[str, set[str]] | None:
+    """(save id, shard file names) of the manifest in ``d`` now, or None when there is none or it
+    cannot be read as one (no validation beyond that: for cleanup and for telling a changed checkpoint
+    from a broken one)."""
+    try:
+        with open(os.path.join(d, MANIFEST), "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+        sid, shards = m["save_id"], m["shards"]
+        names = {s["file"] for s in shards}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(sid, str) or not all(isinstance(n, str) for n in names):
+        return None
+    return sid, names
 
 
 def shard_name(save_id: str, rank: int, world: int) -> str:

@@ -1,4 +1,17 @@
-"""load_checkpoint: every rank validates its part, the ranks agree, then every rank loads."""
+"""load_checkpoint: every rank validates its part, the ranks agree, then every rank loads.
+
+Note [Loading while a save commits]
+Loads take no lock: a reader never waits for a writer, and a writer never waits for a reader. Each
+rank reads the manifest, then the files it names. Shard file names carry the save id and files are
+never rewritten in place, so a file that can be read is the one the manifest named (its size and
+sha256 are checked anyway). Two things can happen when a save commits into the directory during the
+load: (1) the save's cleanup removes a file this rank is about to read: read_shard then finds the
+manifest on disk changed and raises CheckpointChanged (a missing file under an unchanged manifest
+stays a plain CheckpointError: a broken checkpoint); (2) the ranks read different manifests, each
+whole: the "ok" all_gather carries every rank's save id, and unless all are equal every rank raises
+CheckpointChanged. Either way nothing is loaded, never a mix of two checkpoints, and the same call
+can simply be retried.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +20,30 @@ import os
 import torch
 import torch.distributed as dist
 
-from pyasync.checkpoint.common import MANIFEST, CheckpointError, check_args, collective
+from pyasync.checkpoint.common import MANIFEST, CheckpointChanged, CheckpointError, check_args, collective
 from pyasync.checkpoint.reshard import reshard
 from pyasync.checkpoint.validate import compare, read_manifest, read_shard
 from pyasync.optimizer import DistributedOptimizer
 
 __all__ = ["load_checkpoint"]
 
+OK, INVALID, CHANGED = 1, 0, 2  # a rank's validation outcome, as sent in the all_gather
 
-def _validate(d: str, opt: DistributedOptimizer) -> dict:
-    """This rank's state dict from checkpoint ``d``, fully checked; CheckpointError otherwise."""
+
+def _validate(d: str, opt: DistributedOptimizer) -> tuple[dict, str]:
+    """This rank's state dict from checkpoint ``d``, fully checked, and the save id of the manifest it
+    came from; CheckpointError otherwise."""
     m = read_manifest(d)
     mpath = os.path.join(d, MANIFEST)
     compare(mpath, m, opt)
     if m["world_size"] == opt.world_size:
-        return read_shard(d, mpath, m, opt.rank, opt, opt.world_size)
-    return reshard(d, mpath, m, opt)
+        return read_shard(d, mpath, m, opt.rank, opt, opt.world_size), m["save_id"]
+    return reshard(d, mpath, m, opt), m["save_id"]
+
+
+def _sid_int(save_id: str) -> int:
+    """A save id (16 hex digits) as a signed int64, for the all_gather."""
+    return int.from_bytes(bytes.fromhex(save_id), "big", signed=True)
 
 
 def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
@@ -36,29 +57,50 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     success the masters, optimizer state, error-feedback residuals and hyperparameters are restored
     and every rank's parameters are set to the saved master values. Clocks and versions restart from
     zero in the new engine (the saved ones stay in the files for inspection).
+
+    Takes no lock: when a concurrent save replaces the checkpoint during the load, every rank raises
+    CheckpointChanged (a CheckpointError) and nothing is loaded; retry. See Note [Loading while a save
+    commits].
     """
     d = check_args(path, opt, "load_checkpoint")
     world = opt.world_size
-    sd, err = None, ""
+    sd, sid, err, status = None, "", "", OK
     try:
-        sd = _validate(d, opt)
+        sd, sid = _validate(d, opt)
+    except CheckpointChanged as e:
+        err, status = str(e), CHANGED
     except CheckpointError as e:
-        err = str(e)
-    except Exception as e:  # noqa: BLE001 - any surprise still must not leave other ranks waiting
-        err = f"{d}: unexpected {type(e).__name__} while validating: {e}"
-    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    mine = torch.tensor([int(not err)], dtype=torch.int64)
+        err, status = str(e), INVALID
+    except Exception as e:  # any surprise still must not leave other ranks waiting
+        err, status = f"{d}: unexpected {type(e).__name__} while validating: {e}", INVALID
+    mine = torch.tensor([status, _sid_int(sid) if sid else 0], dtype=torch.int64)
+    flags = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
         collective(opt, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine)
     else:
         flags = [mine]
-    bad = [r for r in range(world) if int(flags[r].item()) != 1]
+    bad = [r for r in range(world) if int(flags[r][0]) != OK]
+    changed = [r for r in range(world) if int(flags[r][0]) == CHANGED]
+    if err:
+        raise (CheckpointChanged if status == CHANGED else CheckpointError)(
+            f"load_checkpoint: {err}; nothing was loaded"
+        )
+    if changed:
+        raise CheckpointChanged(
+            f"load_checkpoint({d!r}): rank(s) {changed} saw the checkpoint change while loading (a "
+            "concurrent save replaced it; see their error); nothing was loaded; retry the load"
+        )
     if bad:
         raise CheckpointError(
-            f"load_checkpoint: {err}; nothing was loaded"
-            if err
-            else f"load_checkpoint({d!r}): rank(s) {bad} found the checkpoint invalid (see their error); "
+            f"load_checkpoint({d!r}): rank(s) {bad} found the checkpoint invalid (see their error); "
             "nothing was loaded"
+        )
+    sids = sorted({f"{int(f[1]) & (2**64 - 1):016x}" for f in flags})
+    if len(sids) > 1:
+        raise CheckpointChanged(
+            f"load_checkpoint({d!r}): the checkpoint changed while loading: the ranks read different "
+            f"manifests (save ids {', '.join(sids)}; a concurrent save committed in between); nothing "
+            "was loaded; retry the load"
         )
     assert sd is not None
     opt.load_state_dict(sd)

@@ -77,7 +77,7 @@ def reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, opt: Dis
     d_old, d_new = opt.policy.divisor(n), opt.policy.divisor(m)
     mine = [w for w in range(n) if w % m == v]
     out: dict[tuple[int, int], torch.Tensor] = {}
-    for b, (old, new) in enumerate(zip(old_layouts, opt.bucket_layouts)):
+    for b, (old, new) in enumerate(zip(old_layouts, opt.bucket_layouts, strict=True)):
         total = None
         for w in mine:
             res = saved[w]

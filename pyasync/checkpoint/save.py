@@ -1,35 +1,47 @@
-"""save_checkpoint: drain, write each rank's shard file, commit with rank 0's manifest.
+"""save_checkpoint: lock the directory, drain, write each rank's shard file, commit with rank 0's
+manifest, clean up.
 
-See Note [Checkpoint atomicity] in checkpoint/common.py.
+See Note [Checkpoint atomicity] in checkpoint/common.py, Note [Checkpoint directory lock] in
+checkpoint/lock.py and Note [Checkpoint cleanup] below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import secrets
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
+from pyasync.checkpoint import lock as dirlock
 from pyasync.checkpoint.common import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     SHARD_RE,
     TMP_PREFIX,
+    TMP_RE,
     CheckpointError,
     atomic_write,
     check_args,
     collective,
     global_src,
+    host_id,
+    manifest_names,
     shard_name,
 )
 from pyasync.optimizer import DistributedOptimizer
 
-__all__ = ["save_checkpoint"]
+__all__ = ["cleanup", "save_checkpoint"]
+
+TMP_STALE_S = 3600.0  # a temporary file untouched this long (seconds) belongs to no live save
+HEAD = 3 + dirlock.HOST_BYTES // 8  # int64s of rank 0's first broadcast: save id, lock, holder pid, host
 
 
 def drain(opt: DistributedOptimizer) -> None:
@@ -40,11 +52,11 @@ def drain(opt: DistributedOptimizer) -> None:
     Every rank's clock (completed steps; each step pushes every bucket once) is exchanged with an
     all_gather, then each rank waits (Owner.wait_processed: a condition its applier threads notify
     after every push, bounded by the optimizer's timeout) until each owned shard has processed that
-    many pushes from every worker, pushes still on the network included. Under BSP this returns at once: a step
-    only returns once every owner applied that clock. Under SSP/ASP a processed push is an applied
-    push, so the checkpoint holds every push made before the save. Under Quorum(k < n) a processed
-    late push may be dropped by policy or, with late="fold", wait in the next aggregate, which is not
-    saved.
+    many pushes from every worker, pushes still on the network included. Under BSP this returns at
+    once: a step only returns once every owner applied that clock. Under SSP/ASP a processed push is
+    an applied push, so the checkpoint holds every push made before the save. Under Quorum(k < n) a
+    processed late push may be dropped by policy or, with late="fold", wait in the next aggregate,
+    which is not saved.
 
     Note [Quorum and save]
     Under Quorum(k < n) a rank can still be inside step() when the others enter the save: its push
@@ -67,6 +79,97 @@ def drain(opt: DistributedOptimizer) -> None:
     eng.drain([int(c.item()) for c in clocks])
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def cleanup(d: str, keep: set[str], before_ns: int, replaced: set[str] | None, locked: bool) -> list[str]:
+    """After a commit, delete from ``d`` what no checkpoint needs; returns the names deleted.
+
+    Note [Checkpoint cleanup]
+    A shard file is deleted only if (1) this save's manifest does not name it (``keep``), (2) the
+    manifest on disk, re-read right here, does not name it either (a newer save's), and (3) it was
+    last modified strictly before this save's manifest was written (``before_ns``): a file written
+    after that belongs to a save that started later. Under the lock (``locked``), every other shard
+    file is a candidate: older or failed saves, crashed ones. Unlocked (no flock, see Note
+    [Checkpoint directory lock]) another save may be writing right now, so only the files of the
+    manifest this save replaced (``replaced``, read just before the commit) are candidates: a manifest
+    that has been replaced never becomes current again, so this never deletes a file that a current or
+    future manifest names, even with concurrent saves; orphans of failed saves then stay until a
+    locked save sweeps them. A temporary file (``.pyasync-tmp-<host id>-<pid>-*``) is deleted only if
+    it was written on this host by a process that is gone, or is untouched for TMP_STALE_S: a
+    concurrent writer's temporary files are never removed (were one removed anyway, e.g. by a writer
+    in another pid namespace, its rename fails and that save raises; nothing dangles). Mtime ties on
+    coarse-grained file systems keep a file until the next save: an orphan, never a dangling name.
+    """
+    now = manifest_names(d)
+    named = now[1] if now is not None else None
+    me = host_id()
+    deleted = []
+    for f in sorted(os.listdir(d)):
+        p = os.path.join(d, f)
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if SHARD_RE.match(f):
+            candidate = locked or (replaced is not None and f in replaced)
+            ok = candidate and named is not None and f not in keep and f not in named
+            if not ok or st.st_mtime_ns >= before_ns:
+                continue
+        elif f.startswith(TMP_PREFIX):
+            m = TMP_RE.match(f)
+            gone = m is not None and m.group(1) == me and not _pid_alive(int(m.group(2)))
+            if not gone and time.time_ns() - st.st_mtime_ns < TMP_STALE_S * 1e9:
+                continue
+        else:
+            continue
+        try:
+            os.unlink(p)
+            deleted.append(f)
+        except OSError:
+            pass
+    return deleted
+
+
+def _lock_head(lk: dirlock.DirLock, save_id: int) -> torch.Tensor:
+    """Rank 0's first broadcast: [save id, lock outcome, holder pid, holder host (bytes)]."""
+    head = torch.zeros(HEAD, dtype=torch.int64)
+    head[0] = save_id
+    try:
+        head[1] = lk.acquire()
+    except Exception as e:  # never skip the broadcast: the other ranks wait in it
+        lk.error, head[1] = f"cannot lock {lk.path}: {type(e).__name__}: {e}", dirlock.ERROR
+    pid, host = lk.holder
+    head[2] = pid or 0
+    raw = (host or "").encode("utf-8", "replace")[: dirlock.HOST_BYTES].ljust(dirlock.HOST_BYTES, b"\0")
+    head[3:] = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    return head
+
+
+def _lock_error(d: str, head: torch.Tensor, rank: int, lk: dirlock.DirLock | None) -> str:
+    """'' when the save may go on (lock held, or no flock here); the error every rank raises if not."""
+    state = int(head[1])
+    if state in (dirlock.HELD, dirlock.UNLOCKED):
+        return ""
+    if state == dirlock.BUSY:
+        pid = int(head[2]) or None
+        host = head[3:].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace") or None
+        return (
+            f"save_checkpoint: another save is writing to {d} ({dirlock.describe_holder(pid, host)}); "
+            "this save wrote nothing and the checkpoint there is unchanged. Save into another "
+            "directory, or wait for that save to finish"
+        )
+    if rank == 0 and lk is not None:
+        return f"save_checkpoint({d!r}): {lk.error}; nothing was written"
+    return f"save_checkpoint({d!r}): rank 0 could not lock the directory (see its error); nothing was written"
+
 
 def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     """Save ``opt`` (every rank's shard: fp32 master values, optimizer state, error-feedback residuals,
@@ -79,10 +182,24 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     policy or wait, folded, in an aggregate that is not saved. See Note [Checkpoint drain] and
     docs/reliability.md.
 
-    Raises CheckpointError on every rank when any rank failed to write its file (the previous
-    checkpoint in ``path``, if any, is then left as it was).
+    One save at a time per directory: rank 0 holds ``path/.pyasync-lock`` (fcntl.flock) from before
+    the first file is written until the commit and cleanup are done. See Note [Checkpoint directory
+    lock] in checkpoint/lock.py.
+
+    Raises CheckpointError on every rank when any rank failed to write its file, or when another save
+    holds the directory lock ("another save is writing to ... (lock held by pid N on HOST)"); the
+    previous checkpoint in ``path``, if any, is then left as it was.
     """
     d = check_args(path, opt, "save_checkpoint")
+    lk = dirlock.DirLock(d) if opt.rank == 0 else None
+    try:
+        _save(d, opt, lk)
+    finally:
+        if lk is not None:
+            lk.release()
+
+
+def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None:
     rank, world = opt.rank, opt.world_size
     eng = opt.engine
 
@@ -91,32 +208,49 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     err = ""
     eng.pause()
     try:
-        # A fresh save id (rank 0's, broadcast as a tensor: nothing from the network is unpickled).
-        sid = torch.tensor([secrets.randbits(63) if rank == 0 else 0], dtype=torch.int64)
+        # Rank 0 locks the directory and draws a fresh save id; both go out in one broadcast (a
+        # tensor: nothing from the network is unpickled), so every rank knows whether to write.
+        if lk is not None:
+            head = _lock_head(lk, secrets.randbits(63))
+        else:
+            head = torch.zeros(HEAD, dtype=torch.int64)
         if world > 1:
-            collective(opt, "save_checkpoint: agreeing on a save id", dist.broadcast, sid, src=global_src(opt))
-        save_id = f"{int(sid.item()):016x}"
+            collective(opt, "save_checkpoint: agreeing on a save id and the lock", dist.broadcast, head,
+                       src=global_src(opt))
+        err = _lock_error(d, head, rank, lk)
+        if rank == 0 and int(head[1]) == dirlock.UNLOCKED:
+            warnings.warn(
+                f"save_checkpoint({d!r}): {lk.error if lk else 'no flock'}; saving without the directory "
+                "lock (concurrent saves into this directory are not refused; see docs/reliability.md)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        locked = int(head[1]) == dirlock.HELD
+        save_id = f"{int(head[0]):016x}"
         fname = shard_name(save_id, rank, world)
 
         digest, size = b"\0" * 32, 0
         clock = eng.clock
         try:
-            drain(opt)  # its all_gather comes first, so a rank that fails here still reaches the next one
-            sd = opt.state_dict()
-            os.makedirs(d, exist_ok=True)
-            buf = io.BytesIO()
-            torch.save(sd, buf)
-            data = buf.getvalue()
-            digest, size = hashlib.sha256(data).digest(), len(data)
-            atomic_write(os.path.join(d, fname), data)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            err = f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
+            # The drain's all_gather runs even when the lock was refused: it is the first meeting of
+            # Note [Barriers and quorums], and a rank that fails here still reaches the next one.
+            drain(opt)
+            if not err:
+                sd = opt.state_dict()
+                os.makedirs(d, exist_ok=True)
+                buf = io.BytesIO()
+                torch.save(sd, buf)
+                data = buf.getvalue()
+                digest, size = hashlib.sha256(data).digest(), len(data)
+                atomic_write(os.path.join(d, fname), data)
+        except Exception as e:  # reported on every rank below
+            err = err or f"rank {rank} could not write {os.path.join(d, fname)}: {type(e).__name__}: {e}"
     finally:
         # RESUME, and wait until this rank's owner has every rank's RESUME; the gather below is then
         # the second meeting of Note [Barriers and quorums] (pyasync/optimizer.py).
         try:
             eng.resume()
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
+        except Exception as e:  # reported on every rank below
             err = err or f"rank {rank}: {type(e).__name__}: {e}"
 
     # Gather (ok, size, clock, sha256) from every rank. This also makes the save a barrier: no rank
@@ -132,10 +266,8 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     failed = [r for r in range(world) if int(table[r][0]) != 1]
     if failed:
         if not err:  # this rank's file is an orphan now: the manifest will not name it
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, fname))
-            except OSError:
-                pass
         raise CheckpointError(
             err or f"save_checkpoint({d!r}): rank(s) {failed} could not write their shard file (see their "
             "error); the previous checkpoint in this directory, if any, is unchanged"
@@ -143,6 +275,8 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
 
     # Rank 0 commits with the manifest; the others learn whether it worked.
     commit_err = ""
+    keep = {shard_name(save_id, r, world) for r in range(world)}
+    before_ns, replaced = 0, None
     if rank == 0:
         manifest = {
             "format": FORMAT,
@@ -164,31 +298,22 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
                 for r in range(world)
             ],
         }
+        prev = manifest_names(d)  # the manifest this commit replaces (Note [Checkpoint cleanup])
+        replaced = prev[1] if prev is not None else None
         try:
-            atomic_write(os.path.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
-        except Exception as e:  # noqa: BLE001
+            before_ns = atomic_write(os.path.join(d, MANIFEST), json.dumps(manifest, indent=1).encode())
+        except Exception as e:
             commit_err = f"rank 0 could not write {os.path.join(d, MANIFEST)}: {type(e).__name__}: {e}"
     flag = torch.tensor([int(not commit_err)], dtype=torch.int64)
     if world > 1:
         collective(opt, "save_checkpoint: the commit", dist.broadcast, flag, src=global_src(opt))
     if int(flag.item()) != 1:
         # The new shard files are orphans; the old manifest (if any) still names the old, intact ones.
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(d, fname))
-        except OSError:
-            pass
         raise CheckpointError(
             (commit_err or f"save_checkpoint: rank 0 could not write {os.path.join(d, MANIFEST)}")
             + "; the previous checkpoint in this directory, if any, is unchanged"
         )
-    if rank == 0:  # committed: remove what the manifest no longer names (best effort)
-        keep = {shard_name(save_id, r, world) for r in range(world)}
-        for f in os.listdir(d):
-            # Shard files of older or failed saves, temporary files of crashed ones.
-            if (SHARD_RE.match(f) and f not in keep) or f.startswith(TMP_PREFIX):
-                try:
-                    os.unlink(os.path.join(d, f))
-                except OSError:
-                    pass
-
-
+    if rank == 0:  # committed: remove what no manifest names any more (best effort), still locked
+        cleanup(d, keep, before_ns, replaced, locked)

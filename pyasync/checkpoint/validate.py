@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-from pyasync.checkpoint.common import FORMAT, FORMAT_VERSION, MANIFEST, SHARD_RE, CheckpointError
+from pyasync.checkpoint.common import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SAVE_ID_RE,
+    SHARD_RE,
+    CheckpointChanged,
+    CheckpointError,
+    manifest_names,
+)
 from pyasync.engine.shards import build_layout
 from pyasync.optimizer import DistributedOptimizer
 
@@ -45,6 +54,8 @@ def read_manifest(d: str) -> dict[str, Any]:
     for key, typ in (("world_size", int), ("shards", list), ("parameters", list), ("buckets", list)):
         if not isinstance(m.get(key), typ):
             raise CheckpointError(f"{mpath}: field {key!r} missing or not a {typ.__name__}")
+    if not isinstance(m.get("save_id"), str) or not SAVE_ID_RE.match(m["save_id"]):
+        raise CheckpointError(f"{mpath}: field 'save_id' missing or not 16 lowercase hex digits")
     return m
 
 
@@ -158,6 +169,19 @@ def read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer
     try:
         with open(fpath, "rb") as f:
             data = f.read()
+    except FileNotFoundError as e:
+        # A concurrent save that committed after this rank read the manifest removes the files it
+        # named (Note [Loading while a save commits] in load.py); a file missing under a manifest
+        # that is still the one read is a broken checkpoint.
+        now = manifest_names(d)
+        if now is None or now[0] != m["save_id"]:
+            raise CheckpointChanged(
+                f"{d}: the checkpoint changed while loading: {entry['file']}, named by manifest save id "
+                f"{m['save_id']}, was removed, and the manifest is now "
+                f"{'save id ' + now[0] if now else 'gone or unreadable'} (a concurrent save replaced the "
+                "checkpoint); retry the load"
+            ) from e
+        raise CheckpointError(f"{fpath}: cannot read the shard file named by the manifest: {e}") from e
     except OSError as e:
         raise CheckpointError(f"{fpath}: cannot read the shard file named by the manifest: {e}") from e
     if len(data) != entry.get("bytes"):
@@ -168,7 +192,7 @@ def read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer
         raise CheckpointError(f"{fpath}: sha256 checksum mismatch (the file is corrupt)")
     try:
         sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but plain data
+    except Exception as e:  # weights_only refuses anything but plain data
         raise CheckpointError(f"{fpath}: cannot be loaded with weights_only=True: {e}") from e
     layouts = opt.bucket_layouts if world == opt.world_size else layouts_for(opt, world)
     check_state(fpath, sd, opt, rank, world, layouts)
