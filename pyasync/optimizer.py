@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 
 from pyasync import compression as _compression
-from pyasync._validate import check_int, check_real
+from pyasync._construct import check_options, describe_group, trainable_params
 from pyasync.engine import wire
 from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
 from pyasync.engine.engine import Engine
+from pyasync.engine.meet import collective_failure, control_group, join
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
 from pyasync.policy import Policy, parse_policy
-from pyasync.engine.meet import collective_failure, control_group, join
 from pyasync.transport.base import Transport
 from pyasync.transport.tcp import TcpTransport
 
@@ -40,91 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedOptimizer"]
 
-_FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group,
-                   max_grad_norm) -> None:
-    """Raise a clear error for a bad constructor argument (before anything is built)."""
-    if max_grad_norm is not None:
-        check_real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
-    check_real("bucket_cap_mb", bucket_cap_mb, lo=0.0, lo_open=True)
-    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
-        raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    check_int("num_appliers", num_appliers, lo=1)
-    if on_nonfinite not in ("skip", "raise"):
-        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
-    if transport is not None and not callable(transport):
-        raise TypeError(
-            "transport must be a factory transport(process_group, timeout) -> Transport, or None, got "
-            f"{type(transport).__name__}"
-        )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised: call torch.distributed.init_process_group "
-            "(backend 'gloo') on every rank before creating a DistributedOptimizer"
-        )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
-        )
-
-
-def _trainable(param_groups, named_parameters) -> tuple[list[torch.Tensor], list[int], list[str]]:
-    """(parameters, their param_group index, their names): the trainable ones, each once (tied
-    parameters are one tensor), in group order; a clear error for what pyasync cannot train."""
-    names: dict[int, str] = {}
-    if named_parameters is not None:
-        for item in named_parameters:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError("named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()")
-            names.setdefault(id(item[1]), item[0])
-    params: list[torch.Tensor] = []
-    groups: list[int] = []
-    seen: set[int] = set()
-    for gi, g in enumerate(param_groups):
-        for p in g["params"]:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected tensors")
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = names.get(id(p), f"param{len(params)}")
-            if p.dtype not in _FP_DTYPES:
-                raise TypeError(
-                    f"parameter {name} has dtype {p.dtype}; pyasync supports float32, float16 and bfloat16 "
-                    "parameters"
-                )
-            if p.layout != torch.strided:
-                raise TypeError(
-                    f"parameter {name} is a {p.layout} tensor; pyasync trains dense (strided) parameters "
-                    "(sparse gradients of dense parameters are fine)"
-                )
-            if not p.is_contiguous():
-                raise ValueError(
-                    f"parameter {name} is not contiguous; make it contiguous (p.data = p.data.contiguous()) "
-                    "before wrapping the optimizer"
-                )
-            params.append(p)
-            groups.append(gi)
-    if not params:
-        raise ValueError("the optimizer has no parameter with requires_grad=True: nothing to train")
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-    return params, groups, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
-
-
-def _describe_group(i: int, g: dict) -> str:
-    """A param group's hyperparameters as one line (ranks must agree on them)."""
-    items = []
-    for k, v in sorted(g.items()):
-        if k == "params":
-            continue
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        items.append(f"{k}={v!r}")
-    return f"param_groups[{i}]: " + ", ".join(items)
 
 
 def _destroy(group) -> None:
@@ -217,7 +132,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._policy = parse_policy(policy)
         self._comp = _compression.from_spec(compression)
-        _check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm)
+        check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm)
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         if grad_edits not in ("detect", "forbid"):
             raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
@@ -248,7 +163,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self._engine: Engine | None = None
 
-        self._params, groups, self._names = _trainable(self.param_groups, named_parameters)
+        self._params, groups, self._names = trainable_params(self.param_groups, named_parameters)
         cap = max(1, int(bucket_cap_mb * (1 << 20)))
         assign = compute_bucket_assignment_by_size(
             [p.numel() * p.element_size() for p in self._params],
@@ -333,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "optimizer": self._rule.describe(),
             "bucket layout": [lay.describe() for lay in self._layouts],
             "device type": [self._params[0].device.type],
-            "hyperparameters": [_describe_group(i, g) for i, g in enumerate(self.param_groups)],
+            "hyperparameters": [describe_group(i, g) for i, g in enumerate(self.param_groups)],
             "max_grad_norm": [repr(self._max_grad_norm)],
             "grad_edits": [self._grad_edits],
         }
@@ -549,7 +464,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's shard: master values, optimizer state, residuals and clocks (tensors only, plus
         plain numbers and strings), for pyasync's checkpoints. Call between steps."""
         eng = self.engine
-        shards = eng.snapshot()
+        shards = eng.shards.snapshot()
         return {
             "format": 1,
             "rank": self._rank,
@@ -579,7 +494,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"state_dict holds shards of buckets {sorted(shards)}, this rank owns {sorted(owned)}"
             )
 
-        eng.load({int(b): d for b, d in shards.items()})
+        eng.shards.load({int(b): d for b, d in shards.items()})
         if "residuals" in state_dict:
             self._comp.load_state_dict(state_dict["residuals"])
         for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):

@@ -112,7 +112,7 @@ def _install_all(opt: DistributedOptimizer) -> None:
     rank, world = opt.rank, opt.world_size
     if world == 1:
         return  # load_state_dict already installed this rank's (= every) shard
-    masters = opt.engine.masters()
+    masters = opt.engine.shards.masters()
     for b, lay in enumerate(opt.bucket_layouts):
         width = max(s.numel for s in lay.shards)
         if width == 0:
@@ -122,6 +122,6 @@ def _install_all(opt: DistributedOptimizer) -> None:
             mine[: lay.shards[rank].numel].copy_(masters[b].cpu())
         parts = [torch.empty_like(mine) for _ in range(world)]
         collective(opt, "load_checkpoint: installing every shard", dist.all_gather, parts, mine)
-        opt.engine.install_values(
+        opt.engine.shards.install_values(
             {(b, r): parts[r][: sh.numel] for r, sh in enumerate(lay.shards) if sh.numel > 0 and r != rank}
         )

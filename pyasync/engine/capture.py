@@ -28,7 +28,29 @@ import torch
 
 from pyasync.engine.shards import BucketLayout
 
-__all__ = ["Capture"]
+__all__ = ["Capture", "check_grads", "grad_stamp"]
+
+
+def check_grads(params: list[torch.Tensor], names: list[str]) -> None:
+    """A clear error, naming the parameter, for a gradient the engine cannot push (before anything is
+    sent: the optimizer stays usable)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        name = names[i]
+        if g.shape != p.shape:
+            raise ValueError(
+                f"the gradient of parameter {name} has shape {tuple(g.shape)}, but the parameter has shape "
+                f"{tuple(p.shape)}; assign a gradient of the parameter's shape, or None"
+            )
+        if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"the gradient of parameter {name} has dtype {g.dtype}; pyasync pushes float32, float16 and "
+                "bfloat16 gradients"
+            )
+        if g.device != p.device:
+            raise ValueError(f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}")
 
 
 def grad_stamp(g: torch.Tensor | None) -> tuple[object, int]:

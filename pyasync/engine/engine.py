@@ -1,16 +1,16 @@
 """The Engine: one rank's worker (gradient capture, push thread, replies) and owner (receiver, appliers),
 behind the narrow API that pyasync.optimizer and pyasync.checkpoint use:
 
-    step() close() pause() resume() no_sync() check() stats()
-    snapshot() load() drain() installed_versions() clock
+    step() close() abort() pause() resume() no_sync() check() stats() drain() clock
+    shards.snapshot() shards.load() shards.masters() shards.install_values()   (engine/access.py)
 
 Flow of one step (clock t), see docs/architecture.md:
 
-1. backward: the hooks (engine/capture.py) hand each full bucket to the push thread at once.
-2. push thread (engine/pusher.py): flatten, compress slice r with its own error-feedback key, push it
-   to owner r (own shard: in-process).
-3. step(): flush the buckets no hook handed over (zeros + a has-grad mask), wait until every bucket is
-   pushed, wait as the policy says for the owners' answers (engine/mailbox.py), install the newest
+1. backward: the hooks (engine/capture.py) hand each full bucket to the push thread at once, which
+   flattens and compresses it (engine/pusher.py) without sending.
+2. step(): flush the buckets no hook handed over (zeros + a has-grad mask); commit: every bucket whose
+   .grad changed since is encoded again, then everything is pushed (Note [What step() pushes]).
+3. step(): wait as the policy says for the owners' answers (engine/mailbox.py), install the newest
    shard values received.
 """
 
@@ -18,28 +18,26 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import threading
 import traceback
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
 from pyasync.engine import wire
-from pyasync.engine.capture import Capture
+from pyasync.engine.access import ShardAccess, initial_masters
+from pyasync.engine.capture import Capture, check_grads
+from pyasync.engine.clip import MeanClip
 from pyasync.engine.clock import as_raised, wait_until
 from pyasync.engine.mailbox import Mailbox
-from pyasync.engine.meet import collective_failure
 from pyasync.engine.messages import BucketReady, Commit, Control, Stop
 from pyasync.engine.owner import Owner
 from pyasync.engine.pusher import Pusher
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
-from pyasync.engine.stats import Stats
+from pyasync.engine.stats import Stats, collect_stats
 from pyasync.engine.streams import record_event
 from pyasync.errors import NonFiniteGradientError, PeerFailure
-from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Policy
 from pyasync.transport.base import Transport
 
@@ -104,7 +102,7 @@ class Engine:
         keys = [(b, r) for b, lay in enumerate(layouts) for r in range(world_size) if lay.shards[r].numel > 0]
         self.mailbox = Mailbox(rank=rank, params=params, layouts=layouts, keys=keys, spec=spec,
                                transport=transport, cond=self.cond, fail=self.fail)
-        self.owner = Owner(rank=rank, world_size=world_size, layouts=layouts, masters=self._masters(),
+        self.owner = Owner(rank=rank, world_size=world_size, layouts=layouts, masters=initial_masters(params, layouts, rank),
                            policy=policy, rule=rule, transport=transport, spec=spec,
                            deliver_local=self.mailbox.deliver, fail=self.fail, num_appliers=num_appliers,
                            timeout=timeout, gated=self.gated, notify=self._notify)
@@ -114,21 +112,12 @@ class Engine:
                              clip_each_push=max_grad_norm is not None and not self.gated,
                              send_early=grad_edits == "forbid")
         self.capture = Capture(params, layouts, self.cond, self._hand_over)
+        self.clip = MeanClip(self.owner.gate, control, transport, max_grad_norm, timeout,
+                             self.owner.processed_total, self.owner.release_gate) if self.gated else None
+        self.shards = ShardAccess(self.owner, rule, layouts, params, rank, timeout, self._require_open)
         self.owner.start()
         self.pusher.start()
         self.mailbox.start()
-
-    def _masters(self) -> dict[int, torch.Tensor]:
-        """Master shards from the current (agreed, broadcast) parameter values."""
-        out = {}
-        for b, lay in enumerate(self.layouts):
-            sh = lay.shards[self.rank]
-            if sh.numel > 0:
-                flat = torch.empty(lay.numel, dtype=torch.float32, device=self.device)
-                ops_bucketing.flatten([self.params[p].detach() for p in lay.params], flat, lay.offsets,
-                                      numels=lay.numels)
-                out[b] = flat[sh.begin : sh.end].clone()
-        return out
 
     # -- errors -------------------------------------------------------------------------------------
     def fail(self, where: str, e: BaseException) -> None:
@@ -230,7 +219,7 @@ class Engine:
         self.check()
         if self.in_flight is not None:
             self._finish(self.in_flight)
-        self._check_grads()  # before anything is sent: a bad gradient is the caller's error, not a failure
+        check_grads(self.params, self.names)  # before anything is sent: a bad gradient is the caller's error, not a failure
         t = self.clock
         with self.cond:
             self.capture.flush()
@@ -262,8 +251,10 @@ class Engine:
                     self.cond, lambda: self.committed >= t, self.timeout,
                     lambda: f"the push thread to send the pushes of step {t}", self._err,
                 )
-            if self.gated and self.gated_done < t:
-                self._gate(t)
+            if self.clip is not None and self.gated_done < t:
+                with self.cond:
+                    self.wait_seconds += self.clip.wait(self.cond, self._err)
+                self.grad_norm = self.clip.run()
                 self.gated_done = t
             if self.policy.worker_waits:
                 with self.cond:
@@ -292,48 +283,6 @@ class Engine:
         """The norm each push is clipped to (None: no per-push clipping)."""
         return None if self.gated else self.max_grad_norm
 
-    def _check_grads(self) -> None:
-        """A clear error, naming the parameter, for a gradient the engine cannot push."""
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                continue
-            name = self.names[i]
-            if g.shape != p.shape:
-                raise ValueError(
-                    f"the gradient of parameter {name} has shape {tuple(g.shape)}, but the parameter has shape "
-                    f"{tuple(p.shape)}; assign a gradient of the parameter's shape, or None"
-                )
-            if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                raise TypeError(
-                    f"the gradient of parameter {name} has dtype {g.dtype}; pyasync pushes float32, float16 and "
-                    "bfloat16 gradients"
-                )
-            if g.device != p.device:
-                raise ValueError(f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}")
-
-    def _gate(self, t: int) -> None:
-        """BSP with max_grad_norm: every owner's complete aggregate of round ``t`` waits here until the
-        norm of the whole mean gradient is known (all-reduce of each rank's squared norms), then
-        applies it clipped, as DDP followed by clip_grad_norm_ does."""
-        gate = self.owner.gate
-        with self.cond:
-            self.wait_seconds += wait_until(
-                self.cond, lambda: gate.complete() is not None, self.timeout,
-                lambda: f"every worker's push of step {t} (rounds of buckets {gate.missing(t)} incomplete)",
-                self._err, progress=self.owner.processed_total,
-            )
-            v = gate.complete()
-        total = torch.tensor([gate.take(v)], dtype=torch.float64)
-        try:
-            dist.all_reduce(total, group=self.control)
-        except Exception as e:  # noqa: BLE001 - a dead or stalled peer: name it when the transport saw it
-            raise collective_failure(e, self.transport, "the gradient norm's all-reduce") from e
-        norm = math.sqrt(float(total))
-        coef = min(1.0, self.max_grad_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
-        self.grad_norm = norm
-        self.owner.release_gate(v, coef)
-
     def no_sync(self) -> Iterator[None]:
         """Context: gradients accumulate over several backward() calls, nothing is pushed."""
         return self.capture.paused()
@@ -359,67 +308,6 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"{what} after close(): the optimizer's threads are stopped; call it before close()")
         self.check()
-
-    def snapshot(self) -> dict[int, dict]:
-        """This rank's shards: {bucket: {master, version, processed, optim}} (copies), taken in their
-        applier threads between pushes."""
-        self._require_open("snapshot()")
-
-        def grab(ap) -> dict:
-            return {
-                b: {
-                    "master": sh.state.master.clone(),
-                    "version": torch.tensor(sh.round.version, dtype=torch.int64),
-                    "processed": torch.tensor(sh.round.processed, dtype=torch.int64),
-                    "optim": {k: v.clone() for k, v in self.rule.state_tensors(sh.state).items()},
-                }
-                for b, sh in ap.shards.items()
-            }
-
-        out: dict[int, dict] = {}
-        for part in self.owner.call(grab, self.timeout):
-            out.update(part)
-        return out
-
-    def load(self, shards: dict[int, dict]) -> None:
-        """Load {bucket: {master, optim}} into this rank's shards (in their applier threads) and install
-        them into the local parameters. Versions and clocks are this engine's own and stay."""
-        self._require_open("load()")
-
-        def put(ap) -> None:
-            for b, sh in ap.shards.items():
-                d = shards[b]
-                where = f"state_dict['shards']['{b}']"
-                if d["master"].numel() != sh.state.master.numel():
-                    raise ValueError(
-                        f"{where}['master'] has {d['master'].numel()} elements, expected {sh.state.master.numel()}"
-                    )
-                self.rule.load_state_tensors(sh.state, d["optim"], where + "['optim']")
-                sh.state.master.copy_(d["master"].reshape(-1))
-
-        self.owner.call(put, self.timeout)
-        self.install_shards({b: d["master"] for b, d in shards.items()})
-
-    def masters(self) -> dict[int, torch.Tensor]:
-        """Copies of the master values of this rank's shards, {bucket: values}."""
-        self._require_open("masters()")
-        out: dict[int, torch.Tensor] = {}
-        for part in self.owner.call(lambda ap: {b: sh.state.master.clone() for b, sh in ap.shards.items()},
-                                    self.timeout):
-            out.update(part)
-        return out
-
-    def install_shards(self, values: dict[int, torch.Tensor]) -> None:
-        """Write shard values {bucket: values of shard ``r`` ...} of this rank into the parameters."""
-        self.install_values({(b, self.rank): v for b, v in values.items()})
-
-    def install_values(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Write {(bucket, owner rank): shard values} into the local parameters."""
-        with torch.no_grad():
-            for (b, r), v in values.items():
-                lay = self.layouts[b]
-                ops_bucketing.unflatten(v.reshape(-1).to(self.device), [self.params[p].data for p in lay.params],
-                                        lay.offsets, begin=lay.shards[r].begin)
 
     def drain(self, want: list[int]) -> None:
         """Wait (at most the timeout) until every owned shard has processed ``want[w]`` pushes from each
@@ -450,13 +338,13 @@ class Engine:
                 with self.cond:
                     self.wait_seconds += wait_until(
                         self.cond,
-                        lambda: self.mailbox.all_final() or (self.gated and self.owner.gate.complete() is not None),
+                        lambda: self.mailbox.all_final() or (self.clip is not None and self.clip.ready()),
                         self.timeout, self._missing_finals, self._err, progress=self._progress,
                     )
                     done = self.mailbox.all_final()
                 if done:
                     break
-                self._gate(self.clock)  # a slower rank's round: this rank still helps clip it
+                self.grad_norm = self.clip.run()  # a slower rank's round: this rank still helps clip it
             self.mailbox.install(final=True)
             ok = True
         except BaseException as e:
@@ -501,26 +389,4 @@ class Engine:
             return dict(self.mailbox.installed_version)
 
     def stats(self) -> Stats:
-        st = Stats(clock=self.clock)
-        st.min_included_clock = self.mailbox.min_included_clock(self.clock)
-        for a in self.owner.appliers:
-            st.bytes_sent += a.bytes_sent
-            for sh in list(a.shards.values()):
-                c = sh.round.c
-                st.pushes_applied += c.applied
-                st.pushes_dropped += c.dropped
-                st.nonfinite_skipped += c.nonfinite
-                st.updates_applied += c.updates
-                for k, v in list(c.staleness.items()):
-                    st.staleness[k] = st.staleness.get(k, 0) + v
-        st.staleness = dict(sorted(st.staleness.items()))
-        p = self.pusher
-        st.bytes_sent += p.bytes_sent
-        st.bytes_received = self.mailbox.bytes_received + self.owner.bytes_received
-        st.wait_seconds = self.wait_seconds
-        st.compression_ratio = p.raw_bytes / p.enc_bytes if p.enc_bytes else 1.0
-        st.pushes_sent = p.pushes_sent
-        st.grad_norm = self.grad_norm
-        st.buckets_reencoded = p.reencoded
-        st.intake_peak = self.owner.push_pool.peak if self.owner.push_pool is not None else 0
-        return st
+        return collect_stats(self.clock, self.mailbox, self.owner, self.pusher, self.wait_seconds, self.grad_norm)

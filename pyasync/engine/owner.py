@@ -35,6 +35,7 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.applier import Applier, OwnedShard
+from pyasync.engine.clip import ClipGate
 from pyasync.engine.clock import wait_until
 from pyasync.engine.messages import Close, Pause, Push, Release, Reply, Stop
 from pyasync.engine.rule import UpdateRule
@@ -44,7 +45,7 @@ from pyasync.policy import Policy
 from pyasync.transport.base import Transport, TransportClosed
 from pyasync.transport.frames import PoolClosed
 
-__all__ = ["ClipGate", "Owner", "intake_limit"]
+__all__ = ["Owner", "intake_limit"]
 
 _time = time.monotonic
 
@@ -52,37 +53,6 @@ _time = time.monotonic
 def intake_limit(world_size: int, owned: int) -> int:
     """Received pushes an owner of ``owned`` shards may hold at once (Note [Bounded intake])."""
     return 2 * world_size * max(1, owned) + 2 * world_size
-
-
-class ClipGate:
-    """Collects, per version, the squared norm of every owned shard's complete aggregate (gated rounds:
-    BSP's clipping of the mean gradient). Applier threads report; the engine's training thread takes a
-    complete version, all-reduces it with the other ranks and releases the rounds."""
-
-    def __init__(self, buckets: list[int], notify: Callable[[], None]) -> None:
-        self.buckets = set(buckets)
-        self.notify = notify
-        self.lock = threading.Lock()
-        self.parts: dict[int, dict[int, float]] = {}  # version -> bucket -> squared norm
-
-    def report(self, version: int, bucket: int, sq: float) -> None:
-        with self.lock:
-            self.parts.setdefault(version, {})[bucket] = sq
-        self.notify()
-
-    def complete(self) -> int | None:
-        """The oldest version every owned shard reported, or None."""
-        with self.lock:
-            done = [v for v, p in self.parts.items() if set(p) == self.buckets]
-        return min(done) if done else None
-
-    def take(self, version: int) -> float:
-        with self.lock:
-            return sum(self.parts.pop(version).values())
-
-    def missing(self, version: int) -> list[int]:
-        with self.lock:
-            return sorted(self.buckets - set(self.parts.get(version, {})))
 
 
 class Owner:

@@ -42,18 +42,8 @@ from typing import Any
 
 from pyasync.errors import ProtocolError
 
-__all__ = [
-    "Action",
-    "AggregateRound",
-    "Answer",
-    "Apply",
-    "Gate",
-    "PushRound",
-    "Release",
-    "Round",
-    "Sum",
-    "Update",
-]
+__all__ = ["Action", "AggregateRound", "Answer", "Apply", "Gate", "PushRound", "Release", "Round", "Sum",
+           "Update"]
 
 
 # -- actions -----------------------------------------------------------------------------------------

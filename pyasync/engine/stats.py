@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Stats"]
+__all__ = ["Stats", "collect_stats"]
 
 
 @dataclass
@@ -44,3 +44,29 @@ class Stats:
     grad_norm: float | None = None
     buckets_reencoded: int = 0
     intake_peak: int = 0
+
+
+def collect_stats(clock: int, mailbox, owner, pusher, wait_seconds: float, grad_norm: float | None) -> Stats:
+    """One rank's Stats from its engine's parts (read without locks: counters only grow)."""
+    st = Stats(clock=clock)
+    st.min_included_clock = mailbox.min_included_clock(clock)
+    for a in owner.appliers:
+        st.bytes_sent += a.bytes_sent
+        for sh in list(a.shards.values()):
+            c = sh.round.c
+            st.pushes_applied += c.applied
+            st.pushes_dropped += c.dropped
+            st.nonfinite_skipped += c.nonfinite
+            st.updates_applied += c.updates
+            for k, v in list(c.staleness.items()):
+                st.staleness[k] = st.staleness.get(k, 0) + v
+    st.staleness = dict(sorted(st.staleness.items()))
+    st.bytes_sent += pusher.bytes_sent
+    st.bytes_received = mailbox.bytes_received + owner.bytes_received
+    st.wait_seconds = wait_seconds
+    st.compression_ratio = pusher.raw_bytes / pusher.enc_bytes if pusher.enc_bytes else 1.0
+    st.pushes_sent = pusher.pushes_sent
+    st.grad_norm = grad_norm
+    st.buckets_reencoded = pusher.reencoded
+    st.intake_peak = owner.push_pool.peak if owner.push_pool is not None else 0
+    return st

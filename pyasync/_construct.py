@@ -1,0 +1,98 @@
+"""Checks and descriptions the DistributedOptimizer makes when it is built (kept out of optimizer.py)."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from pyasync._validate import check_int, check_real
+
+__all__ = ["check_options", "describe_group", "trainable_params"]
+
+_FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group,
+                   max_grad_norm) -> None:
+    """Raise a clear error for a bad constructor argument (before anything is built)."""
+    if max_grad_norm is not None:
+        check_real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
+    check_real("bucket_cap_mb", bucket_cap_mb, lo=0.0, lo_open=True)
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise TypeError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    check_int("num_appliers", num_appliers, lo=1)
+    if on_nonfinite not in ("skip", "raise"):
+        raise ValueError(f"on_nonfinite must be 'skip' or 'raise', got {on_nonfinite!r}")
+    if transport is not None and not callable(transport):
+        raise TypeError(
+            "transport must be a factory transport(process_group, timeout) -> Transport, or None, got "
+            f"{type(transport).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "(backend 'gloo') on every rank before creating a DistributedOptimizer"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
+        )
+
+
+def trainable_params(param_groups, named_parameters) -> tuple[list[torch.Tensor], list[int], list[str]]:
+    """(parameters, their param_group index, their names): the trainable ones, each once (tied
+    parameters are one tensor), in group order; a clear error for what pyasync cannot train."""
+    names: dict[int, str] = {}
+    if named_parameters is not None:
+        for item in named_parameters:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError("named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()")
+            names.setdefault(id(item[1]), item[0])
+    params: list[torch.Tensor] = []
+    groups: list[int] = []
+    seen: set[int] = set()
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param_groups[{gi}] holds a {type(p).__name__}, expected tensors")
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = names.get(id(p), f"param{len(params)}")
+            if p.dtype not in _FP_DTYPES:
+                raise TypeError(
+                    f"parameter {name} has dtype {p.dtype}; pyasync supports float32, float16 and bfloat16 "
+                    "parameters"
+                )
+            if p.layout != torch.strided:
+                raise TypeError(
+                    f"parameter {name} is a {p.layout} tensor; pyasync trains dense (strided) parameters "
+                    "(sparse gradients of dense parameters are fine)"
+                )
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"parameter {name} is not contiguous; make it contiguous (p.data = p.data.contiguous()) "
+                    "before wrapping the optimizer"
+                )
+            params.append(p)
+            groups.append(gi)
+    if not params:
+        raise ValueError("the optimizer has no parameter with requires_grad=True: nothing to train")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return params, groups, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def describe_group(i: int, g: dict) -> str:
+    """A param group's hyperparameters as one line (ranks must agree on them)."""
+    items = []
+    for k, v in sorted(g.items()):
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        items.append(f"{k}={v!r}")
+    return f"param_groups[{i}]: " + ", ".join(items)

@@ -1,0 +1,104 @@
+"""Access to the shards this rank owns, between steps: snapshots for ``state_dict()`` and checkpoints,
+loads, and writing shard values into the local parameters. Every read and write of a shard runs in
+the shard's own applier thread (``Owner.call``), between pushes: never torn, never racing an update.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+
+from pyasync.engine.owner import Owner
+from pyasync.engine.rule import UpdateRule
+from pyasync.engine.shards import BucketLayout
+from pyasync.ops import bucketing as ops_bucketing
+
+__all__ = ["ShardAccess", "initial_masters"]
+
+
+def initial_masters(params: list[torch.Tensor], layouts: list[BucketLayout], rank: int) -> dict[int, torch.Tensor]:
+    """The fp32 master values of this rank's shards, from the current (agreed, broadcast) parameters."""
+    out = {}
+    for b, lay in enumerate(layouts):
+        sh = lay.shards[rank]
+        if sh.numel > 0:
+            flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
+            ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
+            out[b] = flat[sh.begin : sh.end].clone()
+    return out
+
+
+class ShardAccess:
+    """The narrow API of the engine for state (used by DistributedOptimizer and pyasync.checkpoint)."""
+
+    def __init__(
+        self,
+        owner: Owner,
+        rule: UpdateRule,
+        layouts: list[BucketLayout],
+        params: list[torch.Tensor],
+        rank: int,
+        timeout: datetime.timedelta,
+        require_open: Callable[[str], None],
+    ) -> None:
+        self.owner, self.rule, self.layouts, self.params = owner, rule, layouts, params
+        self.rank, self.timeout, self.require_open = rank, timeout, require_open
+
+    def snapshot(self) -> dict[int, dict]:
+        """This rank's shards: {bucket: {master, version, processed, optim}} (copies), taken in their
+        applier threads between pushes."""
+        self.require_open("snapshot()")
+
+        def grab(ap) -> dict:
+            return {
+                b: {
+                    "master": sh.state.master.clone(),
+                    "version": torch.tensor(sh.round.version, dtype=torch.int64),
+                    "processed": torch.tensor(sh.round.processed, dtype=torch.int64),
+                    "optim": {k: v.clone() for k, v in self.rule.state_tensors(sh.state).items()},
+                }
+                for b, sh in ap.shards.items()
+            }
+
+        out: dict[int, dict] = {}
+        for part in self.owner.call(grab, self.timeout):
+            out.update(part)
+        return out
+
+    def load(self, shards: dict[int, dict]) -> None:
+        """Load {bucket: {master, optim}} into this rank's shards (in their applier threads) and install
+        them into the local parameters. Versions and clocks are this engine's own and stay."""
+        self.require_open("load()")
+
+        def put(ap) -> None:
+            for b, sh in ap.shards.items():
+                d = shards[b]
+                where = f"state_dict['shards']['{b}']"
+                if d["master"].numel() != sh.state.master.numel():
+                    raise ValueError(
+                        f"{where}['master'] has {d['master'].numel()} elements, expected {sh.state.master.numel()}"
+                    )
+                self.rule.load_state_tensors(sh.state, d["optim"], where + "['optim']")
+                sh.state.master.copy_(d["master"].reshape(-1))
+
+        self.owner.call(put, self.timeout)
+        self.install_values({(b, self.rank): d["master"] for b, d in shards.items()})
+
+    def masters(self) -> dict[int, torch.Tensor]:
+        """Copies of the master values of this rank's shards, {bucket: values}."""
+        self.require_open("masters()")
+        out: dict[int, torch.Tensor] = {}
+        for part in self.owner.call(lambda ap: {b: sh.state.master.clone() for b, sh in ap.shards.items()},
+                                    self.timeout):
+            out.update(part)
+        return out
+
+    def install_values(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Write {(bucket, owner rank): shard values} into the local parameters."""
+        with torch.no_grad():
+            for (b, r), v in values.items():
+                lay = self.layouts[b]
+                ops_bucketing.unflatten(v.reshape(-1).to(self.params[0].device), [self.params[p].data for p in lay.params],
+                                        lay.offsets, begin=lay.shards[r].begin)
