@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 common.use_source_tree()
 
@@ -97,7 +97,7 @@ class SoakConfig:
     run_timeout_s: float | None = None  # the whole run; default 120 s + 50 ms per step
 
     def warm_step(self) -> int:
-        return max(1, int(round(self.warmup * self.steps)))
+        return max(1, round(self.warmup * self.steps))
 
     def run_timeout(self) -> float:
         return self.run_timeout_s if self.run_timeout_s is not None else 120.0 + 0.05 * self.steps
@@ -154,10 +154,10 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
         xs = [torch.randint(-2, 3, (BATCH, i), generator=gen) for i, _ in LAYERS]
         us = [torch.randint(-1, 2, (BATCH, o), generator=gen) for _, o in LAYERS]
         opt.zero_grad()
-        loss = sum((layer(x.float()) * u.float()).sum() for layer, x, u in zip(model, xs, us))
+        loss = sum((layer(x.float()) * u.float()).sum() for layer, x, u in zip(model, xs, us, strict=True))
         loss.backward()
         opt.step()
-        for i, (x, u) in enumerate(zip(xs, us)):  # the gradients, without autograd, in float64
+        for i, (x, u) in enumerate(zip(xs, us, strict=True)):  # the gradients, without autograd, in float64
             ledger[2 * i] += u.double().T @ x.double()
             ledger[2 * i + 1] += u.double().sum(0)
         done = t + 1
@@ -179,7 +179,7 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
             e = opt.compressor.residual((b, r))
             if e is not None:
                 full[sh.begin : sh.end] = e.double().cpu()
-        for p, off, n in zip(lay.params, lay.offsets, lay.numels):
+        for p, off, n in zip(lay.params, lay.offsets, lay.numels, strict=True):
             i = index[id(opt._params[p])]
             residual[i] = full[off : off + n].reshape(params[i].shape)
     st = opt.stats()
@@ -188,7 +188,7 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
         "samples": samples,
         "p0": p0,
         "final": [p.detach().clone() for p in params],
-        "sent": [g - e for g, e in zip(ledger, residual)],
+        "sent": [g - e for g, e in zip(ledger, residual, strict=True)],
         "residual_abs_max": max(float(e.abs().max()) for e in residual),
         "nonempty_shards": nonempty,
         "stats": dataclasses.asdict(st),
@@ -221,14 +221,14 @@ def evaluate(results: list[dict[str, Any]], cfg: SoakConfig) -> dict[str, Any]:
     tol = 0.0 if exact else cfg.ledger_tol
     p0 = results[0]["p0"]
     finals = [r["final"] for r in results]
-    same = all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f))
+    same = all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f, strict=True))
     check("replicas_equal", same, "every rank ends with the same parameters after close()")
     worst, elements = 0.0, 0
     for i, p in enumerate(p0):
         want = p.double() - LR / n * sum(r["sent"][i] for r in results)
         worst = max(worst, float((finals[0][i].double() - want).abs().max()))
         elements += p.numel()
-    moved = max(float((f.double() - p.double()).abs().max()) for f, p in zip(finals[0], p0))
+    moved = max(float((f.double() - p.double()).abs().max()) for f, p in zip(finals[0], p0, strict=True))
     check(
         "ledger",
         worst <= tol and moved > 0,
@@ -325,7 +325,7 @@ def _entry(rank: int, cfg: SoakConfig, port: int, prefix: str, results: Any) -> 
         buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with this process
         torch.save(out, buf)
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - shipped to the parent as text
+    except BaseException:  # shipped to the parent as text
         results.put((rank, "error", traceback.format_exc()))
 
 
@@ -385,7 +385,7 @@ def summary(record: dict[str, Any]) -> str:
         f"{cfg['compression']}, delay <= {cfg['delay_ms']:g} ms (last rank 3x), wall {record['wall_s']:.1f} s"
     ]
     if "error" in record:
-        return "\n".join(lines + [record["error"], "verdict: FAIL"])
+        return "\n".join([*lines, record["error"], "verdict: FAIL"])
     lines.append(
         f"{'rank':>4} {'rss warm MiB':>12} {'rss end MiB':>11} {'growth MiB':>10} {'2nd half':>8} "
         f"{'slope B/step':>12} {'py thr':>9} {'os thr':>9} {'fds':>9} {'steps/s':>8}"
