@@ -24,6 +24,10 @@ Modes (one pyasync.DistributedOptimizer each, on its own copy of the same model,
 
 ``mul``, ``clip`` and ``amp`` edit (or scale) the gradients between backward() and step(): their
 buckets are encoded again in step(), which ``buckets_reencoded_per_step`` (from ``stats()``) shows.
+By default the wide model skips ``autocast`` and ``amp``: bf16 autocast on a CPU without bf16
+arithmetic made its steps 15-20x slower (5 s instead of 0.3 s on the development machine), which
+hides the GradScaler's own price in the noise and takes most of the run. ``--modes`` sets the modes
+of every model.
 
 Workload: the end-to-end benchmark's models and data (bench/harness/workload.py, spawned with the demo's
 local runner like bench/e2e.py: ``--workers`` processes, gloo on loopback, one torch thread and one
@@ -83,6 +87,8 @@ from pyasync.demo.record import gather_rank_stats  # noqa: E402
 from pyasync.demo.train import setup  # noqa: E402
 
 MODES = ("forbid", "detect", "mul", "clip", "maxnorm", "autocast", "amp")
+#: The modes a model runs unless --modes says otherwise (see the module docstring).
+DEFAULT_MODES = {"mlp": MODES, "wide": tuple(m for m in MODES if m not in ("autocast", "amp"))}
 #: Modes that change ``.grad`` between backward() and step() (their buckets are encoded again).
 EDIT_MODES = ("mul", "clip", "amp")
 ABOUT = {
@@ -225,7 +231,7 @@ class Config:
 
     models: tuple[str, ...] = ("mlp", "wide")
     policies: tuple[str, ...] = ("bsp", "asp")  # pyasync system names: a policy, optionally +COMPRESSION
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] | None = None  # every model's; None: DEFAULT_MODES
     bucket_mb: tuple[tuple[str, float], ...] = tuple(BUCKET_MB.items())  # (model, MiB)
     workers: int = 4
     batch_size: int = 64
@@ -245,9 +251,10 @@ class Config:
                 raise ValueError(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
         if not self.models or len(set(self.models)) != len(self.models):
             raise ValueError(f"give unique models from {', '.join(MODELS)}, got {self.models}")
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes or len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"modes must be unique names from {', '.join(MODES)}, got {self.modes}")
+        if self.modes is not None:
+            bad = [m for m in self.modes if m not in MODES]
+            if bad or not self.modes or len(set(self.modes)) != len(self.modes):
+                raise ValueError(f"modes must be unique names from {', '.join(MODES)}, got {self.modes}")
         if not self.policies or len(set(self.policies)) != len(self.policies):
             raise ValueError(f"give unique pyasync policies, got {self.policies}")
         for p in self.policies:
@@ -280,7 +287,7 @@ class Config:
             lr=spec.lr,
             seed=self.seed,
             timeout_s=self.timeout_s,
-            modes=self.modes,
+            modes=DEFAULT_MODES[model] if self.modes is None else self.modes,
             bucket_mb=dict(self.bucket_mb)[model],
             rounds=self.rounds,
             steps=self.steps,
@@ -424,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=_names, default=d.models, help="mlp, wide (default: both)")
     ap.add_argument("--policies", type=_names, default=d.policies,
                     help="pyasync policies, optionally +COMPRESSION (default: bsp,asp)")
-    ap.add_argument("--modes", type=_names, default=d.modes, help=f"some of {','.join(MODES)} (default: all)")
+    ap.add_argument("--modes", type=_names, default=None,
+                    help=f"some of {','.join(MODES)}, for every model (default: all; wide without "
+                    "autocast and amp)")
     ap.add_argument("--bucket-mb", type=_caps, default=d.bucket_mb,
                     help="bucket cap in MiB: one for every model, or MODEL=MiB,... (default mlp=25, "
                     "wide=8 KiB)")

@@ -129,5 +129,8 @@ def test_capture_config_is_checked():
         capture.Config(policies=("ddp",)).validate()
     with pytest.raises(ValueError, match="bucket cap"):
         capture.Config(bucket_mb=(("mlp", 0.0), ("wide", 1.0))).validate()
+    assert capture.Config().run_config("mlp", "asp").modes == capture.MODES
+    assert "amp" not in capture.Config().run_config("wide", "asp").modes  # bf16 is slow on CPUs
+    assert capture.Config(modes=("detect", "amp")).run_config("wide", "bsp").modes == ("detect", "amp")
     assert capture._caps("mlp=1,wide=0.5") == (("mlp", 1.0), ("wide", 0.5))
     assert capture._caps("2") == (("mlp", 2.0), ("wide", 2.0))
