@@ -61,6 +61,12 @@ close() are checked as always. The record reports each rank's pool figures (``pu
 buffers allocated over the run, the limit) and how long close() took (the slow owner drains what the
 sockets still hold). docs/reliability.md ("Memory per rank") derives the bound.
 
+Memory. Every rank's record also holds ``buffer_bound``: the most bytes its pyasync buffers can hold,
+term by term, by the formula of docs/reliability.md ("Memory per rank") evaluated on its own layout,
+reported next to its RSS growth from construction to the last step (not judged: RSS also holds what
+the C allocator keeps). ``--hidden H`` widens the middle layer (32 -> H -> H -> 16; 2048 gives 4.3M
+parameters, 16.6 MiB, in 5 buckets), so that the buffers show against the ~300 MiB of torch.
+
 Output: a summary on stdout and, with ``--out``, a JSON list holding one record: the configuration,
 the machine, the command, every rank's samples and growth, the ledger's error, every check and the
 verdict. Exit status 0 when every check passed, 1 otherwise (a failed or timed-out worker included).
@@ -91,10 +97,26 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 LR = 0.125  # a power of two: lr * g / n stays dyadic
-LAYERS = ((32, 64), (64, 64), (64, 16))  # in, out of the three linear layers: 7312 parameters
+HIDDEN = 64  # default width of the middle layer
+
+
+def layers(hidden: int = HIDDEN) -> tuple[tuple[int, int], ...]:
+    """(in, out) of the three linear layers: 32 -> hidden -> hidden -> 16 (hidden 64: 7312 parameters)."""
+    return ((32, hidden), (hidden, hidden), (hidden, 16))
+
+
+LAYERS = layers()
 BATCH = 2
 BUCKET_CAP_MB = 0.004  # 1048 fp32 elements: 3 buckets (last layer + middle bias, middle weight, first layer)
-BUCKETS = 3
+
+
+def bucket_count(hidden: int = HIDDEN) -> int:
+    """Buckets of the soak's model (3 at the default width, 5 at hidden 2048)."""
+    from pyasync.engine.buckets import compute_bucket_assignment_by_size
+
+    sizes = [4 * n for i, o in layers(hidden) for n in (i * o, o)]
+    cap = max(1, int(BUCKET_CAP_MB * (1 << 20)))
+    return len(compute_bucket_assignment_by_size(sizes, ["f32"] * len(sizes), ["cpu"] * len(sizes), cap))
 
 #: Seconds the slow owner's SlowOwnerSGD sleeps per update; set in the slow rank's process only.
 _slow_owner_s = 0.0
@@ -131,6 +153,7 @@ class SoakConfig:
     run_timeout_s: float | None = None  # the whole run; default 120 s + 50 ms per step (+ the slow owner's)
     slow_owner_ms: float = 0.0  # > 0: rank slow_owner_rank's owner sleeps this long per update applied
     slow_owner_rank: int = 0
+    hidden: int = HIDDEN  # width of the middle layer: 64 (7312 parameters), 2048 (4.3M, 16.6 MiB)
 
     def warm_step(self) -> int:
         return max(1, round(self.warmup * self.steps))
@@ -140,7 +163,8 @@ class SoakConfig:
         it must apply (n workers x steps x its shards, as if its appliers never overlapped)."""
         if self.run_timeout_s is not None:
             return self.run_timeout_s
-        return 120.0 + 0.05 * self.steps + self.workers * self.steps * BUCKETS * self.slow_owner_ms / 1e3
+        slow = self.workers * self.steps * bucket_count(self.hidden) * self.slow_owner_ms / 1e3
+        return 120.0 + 0.05 * self.steps + slow
 
 
 # -- worker -----------------------------------------------------------------------------------------
@@ -156,14 +180,49 @@ def _resources() -> dict[str, Any]:
     }
 
 
-def _model() -> torch.nn.ModuleList:
+def _model(hidden: int = HIDDEN) -> torch.nn.ModuleList:
     torch.manual_seed(1234)
-    layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in LAYERS)
+    model = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in layers(hidden))
     with torch.no_grad():  # dyadic starting values (multiples of 1/16), so the ledger stays exact
         g = torch.Generator().manual_seed(99)
-        for p in layers.parameters():
+        for p in model.parameters():
             p.copy_(torch.randint(-16, 17, p.shape, generator=g).float() / 16)
-    return layers
+    return model
+
+
+def buffer_bound(opt) -> dict[str, int]:
+    """The most bytes this rank's pyasync buffers can hold (CPU engine, TCP transport), term by term:
+    the formula of docs/reliability.md ("Memory per rank"), evaluated on ``opt``'s own layout."""
+    import pyasync
+    from pyasync.engine import wire
+    from pyasync.engine.owner import intake_limit
+
+    n, rank, comp = opt.world_size, opt.rank, opt.compressor
+    lays = opt.bucket_layouts
+    spec = wire.WireSpec.for_compressor(
+        comp, rank, n, shard_numels=[[s.numel for s in lay.shards] for lay in lays],
+        mask_lens=[[len(s.segments) for s in lay.shards] for lay in lays],
+    )
+    h = wire.HEADER_BYTES
+    own = [b for b, lay in enumerate(lays) if lay.shards[rank].numel > 0]
+    own_numel = sum(lays[b].shards[rank].numel for b in own)
+    remote = [(b, r) for b, lay in enumerate(lays) for r in range(n) if r != rank and lay.shards[r].numel > 0]
+    own_push = max((comp.wire_bytes(lays[b].shards[rank].numel) for b in own), default=0)
+    aggregate = isinstance(opt.policy, (pyasync.BSP, pyasync.Quorum))
+    return {
+        "flat buckets": 4 * sum(lay.numel for lay in lays),
+        "residuals": 2 * 4 * sum(lay.numel for lay in lays) if comp.error_feedback else 0,
+        "push frames": sum(h + spec.push_bytes(b, r) for b, r in remote),
+        "control frames": (n - 1) * h,
+        "reply frames": sum((n - 1) * (h + wire.reply_parts(lays[b].shards[rank].numel, n)[1]) for b in own),
+        "push intake": intake_limit(n, len(own)) * spec.max_push_frame(),
+        "own pushes": (len(lays) + 2 * len(own)) * own_push,
+        "reply pool": (2 * len(remote) + 1) * spec.max_reply_frame(),
+        "own replies": 2 * 4 * own_numel,
+        "masters": 4 * own_numel,
+        "scratch": 0 if opt.fused_rule and comp.name != "topk" else 4 * own_numel,
+        "aggregate": 4 * own_numel if aggregate else 0,
+    }
 
 
 def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
@@ -178,8 +237,10 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
         _slow_owner_s = cfg.slow_owner_ms / 1e3
     t0 = time.monotonic()
     samples = [dict(step=-1, phase="start", t=0.0, **_resources())]
-    model = _model()
+    model = _model(cfg.hidden)
     params = list(model.parameters())
+    # Before the optimizer, so that RSS from "built" on shows the optimizer's memory, not the ledger's.
+    ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     opt = pyasync.DistributedOptimizer(
         (SlowOwnerSGD if slow else torch.optim.SGD)(params, lr=LR),
         policy=cfg.policy,
@@ -196,21 +257,20 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
 
     samples.append(dict(step=0, phase="built", t=time.monotonic() - t0, intake_live=pool_live(),
                         **_resources()))
-    ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + rank)
     rng = random.Random(cfg.seed * 7919 + rank)
     max_delay = cfg.delay_ms / 1000.0 * (3.0 if rank == world - 1 else 1.0)
     warm = cfg.warm_step()
     for t in range(cfg.steps):
         time.sleep(rng.uniform(0.0, max_delay))  # emulated compute time: workers drift apart
-        xs = [torch.randint(-2, 3, (BATCH, i), generator=gen) for i, _ in LAYERS]
-        us = [torch.randint(-1, 2, (BATCH, o), generator=gen) for _, o in LAYERS]
+        xs = [torch.randint(-2, 3, (BATCH, i), generator=gen) for i, _ in layers(cfg.hidden)]
+        us = [torch.randint(-1, 2, (BATCH, o), generator=gen) for _, o in layers(cfg.hidden)]
         opt.zero_grad()
         loss = sum((layer(x.float()) * u.float()).sum() for layer, x, u in zip(model, xs, us, strict=True))
         loss.backward()
         opt.step()
         for i, (x, u) in enumerate(zip(xs, us, strict=True)):  # the gradients, without autograd, in float64
-            ledger[2 * i] += u.double().T @ x.double()
+            ledger[2 * i].addmm_(u.double().T, x.double())  # in place: no temporary of the layer's size
             ledger[2 * i + 1] += u.double().sum(0)
         done = t + 1
         if done == warm or done % cfg.sample_every == 0:
@@ -254,9 +314,11 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
             "limit": intake_limit(world, owned),
             "peak": pool.peak,  # most buffers out at once (= stats().intake_peak)
             "allocated": pool.allocated,  # buffers made over the run (dropped ones are made again)
+            "frame_bytes": pool.nbytes,
             "live_max": max(sm["intake_live"] for sm in samples[1:]),  # most alive at a sample
         },
         "close_s": close_s,
+        "buffer_bound": buffer_bound(opt),
         "wall_s": time.monotonic() - t0,
     }
 
@@ -341,6 +403,9 @@ def evaluate(results: list[dict[str, Any]], cfg: SoakConfig) -> dict[str, Any]:
             "wall_s": r["wall_s"],
             "close_s": r["close_s"],
             "push_pool": r["push_pool"],
+            "buffer_bound_bytes": sum(r["buffer_bound"].values()),
+            "buffer_bound": r["buffer_bound"],
+            "rss_growth_from_built_bytes": end["rss_bytes"] - by_phase["built"]["rss_bytes"],
             "stats": r["stats"],
             "samples": r["samples"],
         })
@@ -468,6 +533,11 @@ def summary(record: dict[str, Any]) -> str:
     if cfg.get("slow_owner_ms", 0) > 0:
         lines.append(f"slow owner: rank {cfg['slow_owner_rank']}'s owner sleeps {cfg['slow_owner_ms']:g} ms "
                      "per update it applies")
+    if "per_rank" in record:
+        bound = max(p["buffer_bound_bytes"] for p in record["per_rank"]) / 2**20
+        built = [round(p["rss_growth_from_built_bytes"] / 2**20, 1) for p in record["per_rank"]]
+        lines.append(f"pyasync's buffers: at most {bound:.2f} MiB per rank (docs/reliability.md, Memory per "
+                     f"rank); RSS from construction to the last step (MiB): {built}")
     if "error" in record:
         return "\n".join([*lines, record["error"], "verdict: FAIL"])
     lines.append(
@@ -519,10 +589,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="one rank's owner takes MS longer per update it applies (default: none)")
     ap.add_argument("--slow-owner-rank", type=int, default=d.slow_owner_rank,
                     help="the rank whose owner is slow (default %(default)s)")
+    ap.add_argument("--hidden", type=int, default=d.hidden,
+                    help="width of the middle layer (default 64: 7312 parameters; 2048: 4.3M, 16.6 MiB)")
     ap.add_argument("--out", default="", help="write the JSON record (a list of one) here")
     a = ap.parse_args(argv)
     if a.steps < 10 or a.workers < 2 or a.sample_every < 1 or not 0 < a.warmup < 1:
         ap.error("need --steps >= 10, --workers >= 2, --sample-every >= 1 and 0 < --warmup < 1")
+    if a.hidden < 1:
+        ap.error(f"--hidden must be >= 1, got {a.hidden}")
     if not 0 <= a.slow_owner_ms < float("inf") or not 0 <= a.slow_owner_rank < a.workers:
         ap.error(f"need 0 <= --slow-owner-ms < inf and 0 <= --slow-owner-rank < --workers ({a.workers})")
     from pyasync.policy import Quorum, parse_policy
@@ -536,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         delay_ms=a.delay_ms, sample_every=a.sample_every, warmup=a.warmup,
         rss_limit_mib=None if a.rss_limit_mib < 0 else a.rss_limit_mib, ledger_tol=a.ledger_tol,
         timeout_s=a.timeout, run_timeout_s=a.run_timeout, slow_owner_ms=a.slow_owner_ms,
-        slow_owner_rank=a.slow_owner_rank,
+        slow_owner_rank=a.slow_owner_rank, hidden=a.hidden,
     )
     record = run(cfg)
     record["machine"] = common.machine_info()

@@ -151,6 +151,8 @@ def test_slow_owner_intake_is_bounded(slow_results):
     # no more than the limit; its pool made no more buffers than that over the whole run.
     assert slow["stats"]["intake_peak"] == pool["peak"] == pool["limit"], pool
     assert pool["allocated"] <= pool["limit"] and pool["live_max"] <= pool["limit"], pool
+    # The formula's intake term (docs/reliability.md, Memory per rank) is the engine's pool at its limit.
+    assert slow["buffer_bound"]["push intake"] == pool["limit"] * pool["frame_bytes"]
     for r in slow_results:
         assert r["stats"]["intake_peak"] <= r["push_pool"]["limit"], (r["rank"], r["push_pool"])
         assert [s["phase"] for s in r["samples"]][-1] == "closed"  # close() returned on every rank
