@@ -583,8 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ledger tolerance where it cannot be exact (int8; n not a power of two)")
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="optimizer / process-group timeout, s")
     ap.add_argument("--run-timeout", type=float, default=None,
-                    help="the whole run, s (default 120 + 0.05 x steps, plus workers x steps x 3 x the\n"
-                         "slow owner's delay)")
+                    help="the whole run, s (default 120 + 0.05 x steps, plus workers x steps x\n"
+                         "buckets x the slow owner's delay)")
     ap.add_argument("--slow-owner-ms", type=float, default=d.slow_owner_ms,
                     help="one rank's owner takes MS longer per update it applies (default: none)")
     ap.add_argument("--slow-owner-rank", type=int, default=d.slow_owner_rank,
