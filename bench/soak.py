@@ -4,6 +4,7 @@ lost and that memory, threads and file descriptors stay flat.
     python bench/soak.py                                   # 4 workers, ASP, 5000 steps each
     python bench/soak.py --steps 20000 --compression topk:0.01 --out soak.json
     python bench/soak.py --steps 3000 --compression int8 --policy ssp:2
+    python bench/soak.py --slow-owner-ms 20 --steps 1000      # rank 0's owner 20 ms slower per update
 
 Each of ``--workers`` spawned processes (gloo over loopback, one torch thread) trains a small model
 (three linear layers, 7312 fp32 parameters in 3 buckets) with ``pyasync.DistributedOptimizer`` and
@@ -46,6 +47,26 @@ limit does not grow with the run. Two finer signals are reported, not judged: th
 of RSS over the samples after warm-up (bytes per step) and the growth over the second half of the
 run (a linear leak shows half its total there, a high-water step usually nothing).
 
+Slow owner (``--slow-owner-ms MS``). Every rank trains with :class:`SlowOwnerSGD`, plain SGD run
+through the engine's generic rule (any optimizer class other than exactly SGD, Adam or AdamW is stepped
+as a private instance per owned shard, pyasync/engine/rule.py), whose step() first sleeps MS on the
+rank ``--slow-owner-rank`` (default 0) only: that rank's owner takes MS longer per update it applies,
+while its worker and every other rank run as before. Under ASP nobody waits for answers, so the other
+workers push faster than that owner applies; the owner's intake is bounded (Note [Bounded intake] in
+pyasync/engine/owner.py), so its receiver stops reading, the sockets fill and the senders wait. The
+run adds one check, ``intake``: on every rank, the most received pushes its owner held at once
+(``stats().intake_peak``) is at most ``intake_limit(n, S)`` = 2 n S + 2 n (S: shards it owns), and
+the live buffers of its push receive pool stayed within that limit; RSS, the ledger, the counters and
+close() are checked as always. The record reports each rank's pool figures (``push_pool``: peak,
+buffers allocated over the run, the limit) and how long close() took (the slow owner drains what the
+sockets still hold). docs/reliability.md ("Memory per rank") derives the bound.
+
+Memory. Every rank's record also holds ``buffer_bound``: the most bytes its pyasync buffers can hold,
+term by term, by the formula of docs/reliability.md ("Memory per rank") evaluated on its own layout,
+reported next to its RSS growth from construction to the last step (not judged: RSS also holds what
+the C allocator keeps). ``--hidden H`` widens the middle layer (32 -> H -> H -> 16; 2048 gives 4.3M
+parameters, 16.6 MiB, in 5 buckets), so that the buffers show against the ~300 MiB of torch.
+
 Output: a summary on stdout and, with ``--out``, a JSON list holding one record: the configuration,
 the machine, the command, every rank's samples and growth, the ledger's error, every check and the
 verdict. Exit status 0 when every check passed, 1 otherwise (a failed or timed-out worker included).
@@ -68,7 +89,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 common.use_source_tree()
 
@@ -76,9 +97,44 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 LR = 0.125  # a power of two: lr * g / n stays dyadic
-LAYERS = ((32, 64), (64, 64), (64, 16))  # in, out of the three linear layers: 7312 parameters
+HIDDEN = 64  # default width of the middle layer
+
+
+def layers(hidden: int = HIDDEN) -> tuple[tuple[int, int], ...]:
+    """(in, out) of the three linear layers: 32 -> hidden -> hidden -> 16 (hidden 64: 7312 parameters)."""
+    return ((32, hidden), (hidden, hidden), (hidden, 16))
+
+
+LAYERS = layers()
 BATCH = 2
 BUCKET_CAP_MB = 0.004  # 1048 fp32 elements: 3 buckets (last layer + middle bias, middle weight, first layer)
+
+
+def bucket_count(hidden: int = HIDDEN) -> int:
+    """Buckets of the soak's model (3 at the default width, 5 at hidden 2048)."""
+    from pyasync.engine.buckets import compute_bucket_assignment_by_size
+
+    sizes = [4 * n for i, o in layers(hidden) for n in (i * o, o)]
+    cap = max(1, int(BUCKET_CAP_MB * (1 << 20)))
+    return len(compute_bucket_assignment_by_size(sizes, ["f32"] * len(sizes), ["cpu"] * len(sizes), cap))
+
+#: Seconds the slow owner's SlowOwnerSGD sleeps per update; set in the slow rank's process only.
+_slow_owner_s = 0.0
+
+
+class SlowOwnerSGD(torch.optim.SGD):
+    """Plain SGD whose step() first sleeps ``_slow_owner_s`` seconds (0 on every rank but the slow owner).
+
+    pyasync runs any optimizer class other than exactly SGD, Adam or AdamW as a private instance of that
+    class per owned shard (pyasync/engine/rule.py), so on the rank that sets the delay every update of
+    every shard it owns takes that much longer, and nothing else does. Every rank builds this class: the
+    start-up agreement compares the optimizer's class. The update itself is SGD's (p -= lr * g), so the
+    ledger stays exact."""
+
+    def step(self, closure=None):
+        if _slow_owner_s > 0:
+            time.sleep(_slow_owner_s)
+        return super().step(closure)
 
 
 @dataclasses.dataclass
@@ -94,13 +150,21 @@ class SoakConfig:
     rss_limit_mib: float | None = 16.0  # None: report RSS growth, do not judge it
     ledger_tol: float = 1e-3  # max |error| where the ledger cannot be exact (int8, n not a power of 2)
     timeout_s: float = 60.0  # the optimizer's timeout (every wait), and the process group's
-    run_timeout_s: float | None = None  # the whole run; default 120 s + 50 ms per step
+    run_timeout_s: float | None = None  # the whole run; default 120 s + 50 ms per step (+ the slow owner's)
+    slow_owner_ms: float = 0.0  # > 0: rank slow_owner_rank's owner sleeps this long per update applied
+    slow_owner_rank: int = 0
+    hidden: int = HIDDEN  # width of the middle layer: 64 (7312 parameters), 2048 (4.3M, 16.6 MiB)
 
     def warm_step(self) -> int:
-        return max(1, int(round(self.warmup * self.steps)))
+        return max(1, round(self.warmup * self.steps))
 
     def run_timeout(self) -> float:
-        return self.run_timeout_s if self.run_timeout_s is not None else 120.0 + 0.05 * self.steps
+        """The whole run (s): 120 s + 50 ms per step, plus, with a slow owner, its delay for every push
+        it must apply (n workers x steps x its shards, as if its appliers never overlapped)."""
+        if self.run_timeout_s is not None:
+            return self.run_timeout_s
+        slow = self.workers * self.steps * bucket_count(self.hidden) * self.slow_owner_ms / 1e3
+        return 120.0 + 0.05 * self.steps + slow
 
 
 # -- worker -----------------------------------------------------------------------------------------
@@ -116,57 +180,110 @@ def _resources() -> dict[str, Any]:
     }
 
 
-def _model() -> torch.nn.ModuleList:
+def _model(hidden: int = HIDDEN) -> torch.nn.ModuleList:
     torch.manual_seed(1234)
-    layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in LAYERS)
+    model = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in layers(hidden))
     with torch.no_grad():  # dyadic starting values (multiples of 1/16), so the ledger stays exact
         g = torch.Generator().manual_seed(99)
-        for p in layers.parameters():
+        for p in model.parameters():
             p.copy_(torch.randint(-16, 17, p.shape, generator=g).float() / 16)
-    return layers
+    return model
+
+
+def buffer_bound(opt) -> dict[str, int]:
+    """The most bytes this rank's pyasync buffers can hold (CPU engine, TCP transport), term by term:
+    the formula of docs/reliability.md ("Memory per rank"), evaluated on ``opt``'s own layout."""
+    import pyasync
+    from pyasync.engine import wire
+    from pyasync.engine.owner import intake_limit
+
+    n, rank, comp = opt.world_size, opt.rank, opt.compressor
+    lays = opt.bucket_layouts
+    spec = wire.WireSpec.for_compressor(
+        comp, rank, n, shard_numels=[[s.numel for s in lay.shards] for lay in lays],
+        mask_lens=[[len(s.segments) for s in lay.shards] for lay in lays],
+    )
+    h = wire.HEADER_BYTES
+    own = [b for b, lay in enumerate(lays) if lay.shards[rank].numel > 0]
+    own_numel = sum(lays[b].shards[rank].numel for b in own)
+    remote = [(b, r) for b, lay in enumerate(lays) for r in range(n) if r != rank and lay.shards[r].numel > 0]
+    own_push = max((comp.wire_bytes(lays[b].shards[rank].numel) for b in own), default=0)
+    aggregate = isinstance(opt.policy, (pyasync.BSP, pyasync.Quorum))
+    return {
+        "flat buckets": 4 * sum(lay.numel for lay in lays),
+        "residuals": 2 * 4 * sum(lay.numel for lay in lays) if comp.error_feedback else 0,
+        "push frames": sum(h + spec.push_bytes(b, r) for b, r in remote),
+        "control frames": (n - 1) * h,
+        "reply frames": sum((n - 1) * (h + wire.reply_parts(lays[b].shards[rank].numel, n)[1]) for b in own),
+        "push intake": intake_limit(n, len(own)) * spec.max_push_frame(),
+        "own pushes": (len(lays) + 2 * len(own)) * own_push,
+        "reply pool": (2 * len(remote) + 1) * spec.max_reply_frame(),
+        "own replies": 2 * 4 * own_numel,
+        "masters": 4 * own_numel,
+        "scratch": 0 if opt.fused_rule and comp.name != "topk" else 4 * own_numel,
+        "aggregate": 4 * own_numel if aggregate else 0,
+    }
 
 
 def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     """One rank of the soak run (torch.distributed already initialised): train, sample, return the
     samples, the ledger (per parameter: what this worker sent, float64), stats and final values."""
     import pyasync
+    from pyasync.engine.owner import intake_limit
 
+    global _slow_owner_s
+    slow = cfg.slow_owner_ms > 0
+    if slow and rank == cfg.slow_owner_rank:
+        _slow_owner_s = cfg.slow_owner_ms / 1e3
     t0 = time.monotonic()
     samples = [dict(step=-1, phase="start", t=0.0, **_resources())]
-    model = _model()
+    model = _model(cfg.hidden)
     params = list(model.parameters())
+    # Before the optimizer, so that RSS from "built" on shows the optimizer's memory, not the ledger's.
+    ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
     opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD(params, lr=LR),
+        (SlowOwnerSGD if slow else torch.optim.SGD)(params, lr=LR),
         policy=cfg.policy,
         compression=None if cfg.compression == "none" else cfg.compression,
         bucket_cap_mb=BUCKET_CAP_MB,
         timeout=datetime.timedelta(seconds=cfg.timeout_s),
     )
     p0 = [p.detach().clone() for p in params]  # rank 0's values, broadcast at construction
-    samples.append(dict(step=0, phase="built", t=time.monotonic() - t0, **_resources()))
-    ledger = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    pool = opt.engine.owner.push_pool  # read only: the owner's push receive buffers (Note [Bounded intake])
+
+    def pool_live() -> int:
+        """Receive buffers of the owner's push pool alive now: taken, or kept for reuse."""
+        return pool.out + pool.free()
+
+    samples.append(dict(step=0, phase="built", t=time.monotonic() - t0, intake_live=pool_live(),
+                        **_resources()))
     gen = torch.Generator().manual_seed(cfg.seed * 100003 + rank)
     rng = random.Random(cfg.seed * 7919 + rank)
     max_delay = cfg.delay_ms / 1000.0 * (3.0 if rank == world - 1 else 1.0)
     warm = cfg.warm_step()
     for t in range(cfg.steps):
         time.sleep(rng.uniform(0.0, max_delay))  # emulated compute time: workers drift apart
-        xs = [torch.randint(-2, 3, (BATCH, i), generator=gen) for i, _ in LAYERS]
-        us = [torch.randint(-1, 2, (BATCH, o), generator=gen) for _, o in LAYERS]
+        xs = [torch.randint(-2, 3, (BATCH, i), generator=gen) for i, _ in layers(cfg.hidden)]
+        us = [torch.randint(-1, 2, (BATCH, o), generator=gen) for _, o in layers(cfg.hidden)]
         opt.zero_grad()
-        loss = sum((layer(x.float()) * u.float()).sum() for layer, x, u in zip(model, xs, us))
+        loss = sum((layer(x.float()) * u.float()).sum() for layer, x, u in zip(model, xs, us, strict=True))
         loss.backward()
         opt.step()
-        for i, (x, u) in enumerate(zip(xs, us)):  # the gradients, without autograd, in float64
-            ledger[2 * i] += u.double().T @ x.double()
+        for i, (x, u) in enumerate(zip(xs, us, strict=True)):  # the gradients, without autograd, in float64
+            ledger[2 * i].addmm_(u.double().T, x.double())  # in place: no temporary of the layer's size
             ledger[2 * i + 1] += u.double().sum(0)
         done = t + 1
         if done == warm or done % cfg.sample_every == 0:
             samples.append(dict(step=done, phase="warm" if done == warm else "run", t=time.monotonic() - t0,
-                                **_resources()))
-    samples.append(dict(step=cfg.steps, phase="end", t=time.monotonic() - t0, **_resources()))
+                                intake_live=pool_live(), **_resources()))
+    samples.append(dict(step=cfg.steps, phase="end", t=time.monotonic() - t0, intake_live=pool_live(),
+                        **_resources()))
+    t_close = time.monotonic()
     opt.close()
-    samples.append(dict(step=cfg.steps, phase="closed", t=time.monotonic() - t0, **_resources()))
+    close_s = time.monotonic() - t_close
+    samples.append(dict(step=cfg.steps, phase="closed", t=time.monotonic() - t0, intake_live=pool_live(),
+                        **_resources()))
+    owned = sum(lay.shards[rank].numel > 0 for lay in opt.bucket_layouts)
 
     # What this worker sent = its gradients minus what error feedback still holds back.
     residual = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
@@ -179,7 +296,7 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
             e = opt.compressor.residual((b, r))
             if e is not None:
                 full[sh.begin : sh.end] = e.double().cpu()
-        for p, off, n in zip(lay.params, lay.offsets, lay.numels):
+        for p, off, n in zip(lay.params, lay.offsets, lay.numels, strict=True):
             i = index[id(opt._params[p])]
             residual[i] = full[off : off + n].reshape(params[i].shape)
     st = opt.stats()
@@ -188,10 +305,20 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
         "samples": samples,
         "p0": p0,
         "final": [p.detach().clone() for p in params],
-        "sent": [g - e for g, e in zip(ledger, residual)],
+        "sent": [g - e for g, e in zip(ledger, residual, strict=True)],
         "residual_abs_max": max(float(e.abs().max()) for e in residual),
         "nonempty_shards": nonempty,
         "stats": dataclasses.asdict(st),
+        "push_pool": {
+            "owned_shards": owned,
+            "limit": intake_limit(world, owned),
+            "peak": pool.peak,  # most buffers out at once (= stats().intake_peak)
+            "allocated": pool.allocated,  # buffers made over the run (dropped ones are made again)
+            "frame_bytes": pool.nbytes,
+            "live_max": max(sm["intake_live"] for sm in samples[1:]),  # most alive at a sample
+        },
+        "close_s": close_s,
+        "buffer_bound": buffer_bound(opt),
         "wall_s": time.monotonic() - t0,
     }
 
@@ -221,14 +348,14 @@ def evaluate(results: list[dict[str, Any]], cfg: SoakConfig) -> dict[str, Any]:
     tol = 0.0 if exact else cfg.ledger_tol
     p0 = results[0]["p0"]
     finals = [r["final"] for r in results]
-    same = all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f))
+    same = all(torch.equal(a, b) for f in finals[1:] for a, b in zip(finals[0], f, strict=True))
     check("replicas_equal", same, "every rank ends with the same parameters after close()")
     worst, elements = 0.0, 0
     for i, p in enumerate(p0):
         want = p.double() - LR / n * sum(r["sent"][i] for r in results)
         worst = max(worst, float((finals[0][i].double() - want).abs().max()))
         elements += p.numel()
-    moved = max(float((f.double() - p.double()).abs().max()) for f, p in zip(finals[0], p0))
+    moved = max(float((f.double() - p.double()).abs().max()) for f, p in zip(finals[0], p0, strict=True))
     check(
         "ledger",
         worst <= tol and moved > 0,
@@ -274,6 +401,11 @@ def evaluate(results: list[dict[str, Any]], cfg: SoakConfig) -> dict[str, Any]:
             "before_optimizer": {k: by_phase["start"][k] for k in growth},
             "after_close": {k: by_phase["closed"][k] for k in growth},
             "wall_s": r["wall_s"],
+            "close_s": r["close_s"],
+            "push_pool": r["push_pool"],
+            "buffer_bound_bytes": sum(r["buffer_bound"].values()),
+            "buffer_bound": r["buffer_bound"],
+            "rss_growth_from_built_bytes": end["rss_bytes"] - by_phase["built"]["rss_bytes"],
             "stats": r["stats"],
             "samples": r["samples"],
         })
@@ -294,6 +426,20 @@ def evaluate(results: list[dict[str, Any]], cfg: SoakConfig) -> dict[str, Any]:
     if cfg.rss_limit_mib is not None:
         check("rss", all(m <= cfg.rss_limit_mib for m in mib),
               f"RSS growth after warm-up per rank (MiB): {mib}, limit {cfg.rss_limit_mib:g}")
+    if cfg.slow_owner_ms > 0:
+        # Note [Bounded intake]: an owner holds at most intake_limit(n, S) received pushes, however slow.
+        pools = [(r["rank"], r["stats"]["intake_peak"], r["push_pool"]["live_max"], r["push_pool"]["limit"])
+                 for r in results]
+        slow = results[cfg.slow_owner_rank]
+        check(
+            "intake",
+            all(peak <= limit and live <= limit for _, peak, live, limit in pools),
+            f"slow owner rank {cfg.slow_owner_rank} (+{cfg.slow_owner_ms:g} ms per update): intake_peak "
+            f"{slow['stats']['intake_peak']} of limit {slow['push_pool']['limit']} (2nS + 2n, S = "
+            f"{slow['push_pool']['owned_shards']}), {slow['push_pool']['allocated']} buffers allocated over "
+            f"the run, close() took {slow['close_s']:.1f} s; every rank (rank, peak, most alive at a sample, "
+            f"limit): {pools}",
+        )
     return {
         "ok": all(c["ok"] for c in checks),
         "checks": checks,
@@ -325,7 +471,7 @@ def _entry(rank: int, cfg: SoakConfig, port: int, prefix: str, results: Any) -> 
         buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with this process
         torch.save(out, buf)
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - shipped to the parent as text
+    except BaseException:  # shipped to the parent as text
         results.put((rank, "error", traceback.format_exc()))
 
 
@@ -384,8 +530,16 @@ def summary(record: dict[str, Any]) -> str:
         f"soak: {cfg['workers']} workers x {cfg['steps']} steps, policy {cfg['policy']}, compression "
         f"{cfg['compression']}, delay <= {cfg['delay_ms']:g} ms (last rank 3x), wall {record['wall_s']:.1f} s"
     ]
+    if cfg.get("slow_owner_ms", 0) > 0:
+        lines.append(f"slow owner: rank {cfg['slow_owner_rank']}'s owner sleeps {cfg['slow_owner_ms']:g} ms "
+                     "per update it applies")
+    if "per_rank" in record:
+        bound = max(p["buffer_bound_bytes"] for p in record["per_rank"]) / 2**20
+        built = [round(p["rss_growth_from_built_bytes"] / 2**20, 1) for p in record["per_rank"]]
+        lines.append(f"pyasync's buffers: at most {bound:.2f} MiB per rank (docs/reliability.md, Memory per "
+                     f"rank); RSS from construction to the last step (MiB): {built}")
     if "error" in record:
-        return "\n".join(lines + [record["error"], "verdict: FAIL"])
+        return "\n".join([*lines, record["error"], "verdict: FAIL"])
     lines.append(
         f"{'rank':>4} {'rss warm MiB':>12} {'rss end MiB':>11} {'growth MiB':>10} {'2nd half':>8} "
         f"{'slope B/step':>12} {'py thr':>9} {'os thr':>9} {'fds':>9} {'steps/s':>8}"
@@ -399,6 +553,8 @@ def summary(record: dict[str, Any]) -> str:
             f"{'-' if slope is None else f'{slope:+.1f}':>12} "
             f"{w['py_threads']:>4}->{e['py_threads']:<4} {w['os_threads']:>4}->{e['os_threads']:<4} "
             f"{w['fds']:>4}->{e['fds']:<4} {cfg['steps'] / p['wall_s']:>8.1f}"
+            + (f"  intake {p['stats']['intake_peak']}/{p['push_pool']['limit']}, close {p['close_s']:.1f} s"
+               if cfg.get("slow_owner_ms", 0) > 0 else "")
         )
     for c in record["checks"]:
         lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
@@ -427,11 +583,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="ledger tolerance where it cannot be exact (int8; n not a power of two)")
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="optimizer / process-group timeout, s")
     ap.add_argument("--run-timeout", type=float, default=None,
-                    help="the whole run, s (default 120 + 0.05 x steps)")
+                    help="the whole run, s (default 120 + 0.05 x steps, plus workers x steps x\n"
+                         "buckets x the slow owner's delay)")
+    ap.add_argument("--slow-owner-ms", type=float, default=d.slow_owner_ms,
+                    help="one rank's owner takes MS longer per update it applies (default: none)")
+    ap.add_argument("--slow-owner-rank", type=int, default=d.slow_owner_rank,
+                    help="the rank whose owner is slow (default %(default)s)")
+    ap.add_argument("--hidden", type=int, default=d.hidden,
+                    help="width of the middle layer (default 64: 7312 parameters; 2048: 4.3M, 16.6 MiB)")
     ap.add_argument("--out", default="", help="write the JSON record (a list of one) here")
     a = ap.parse_args(argv)
     if a.steps < 10 or a.workers < 2 or a.sample_every < 1 or not 0 < a.warmup < 1:
         ap.error("need --steps >= 10, --workers >= 2, --sample-every >= 1 and 0 < --warmup < 1")
+    if a.hidden < 1:
+        ap.error(f"--hidden must be >= 1, got {a.hidden}")
+    if not 0 <= a.slow_owner_ms < float("inf") or not 0 <= a.slow_owner_rank < a.workers:
+        ap.error(f"need 0 <= --slow-owner-ms < inf and 0 <= --slow-owner-rank < --workers ({a.workers})")
     from pyasync.policy import Quorum, parse_policy
 
     pol = parse_policy(a.policy)
@@ -442,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
         steps=a.steps, workers=a.workers, policy=a.policy, compression=a.compression, seed=a.seed,
         delay_ms=a.delay_ms, sample_every=a.sample_every, warmup=a.warmup,
         rss_limit_mib=None if a.rss_limit_mib < 0 else a.rss_limit_mib, ledger_tol=a.ledger_tol,
-        timeout_s=a.timeout, run_timeout_s=a.run_timeout,
+        timeout_s=a.timeout, run_timeout_s=a.run_timeout, slow_owner_ms=a.slow_owner_ms,
+        slow_owner_rank=a.slow_owner_rank, hidden=a.hidden,
     )
     record = run(cfg)
     record["machine"] = common.machine_info()

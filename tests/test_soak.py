@@ -9,6 +9,10 @@ ledger of every pushed gradient), flat threads, descriptors and memory.
   gradient taken out of the ledger, a leaked descriptor or thread, a thread or descriptor left after
   close(), an extra applied push, a differing replica, or 17 MiB of RSS growth each make exactly the
   matching check fail, so the checks are shown to be able to fail.
+* ``test_slow_owner_intake_is_bounded`` (always runs, ~5 s of training plus the spawn): 2 workers
+  under ASP, rank 0's owner 20 ms slower per update: the slow owner's intake reaches its limit and
+  never passes it, its push pool never allocates more buffers than the limit, the ledger is exact and
+  close() succeeds on every rank; ``test_intake_check_can_fail`` shows the bound is judged.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import soak  # noqa: E402
+import soak
 
 pytestmark = pytest.mark.multiproc
 
@@ -117,3 +121,49 @@ def test_soak(compression):
     assert "error" not in rec, rec.get("error")
     assert {c["name"] for c in rec["checks"]} == ALL_CHECKS | {"rss"}
     assert rec["ok"], _failed(rec)
+
+
+# Rank 0's appliers take 20 ms per update: its applier of two shards needs 80 ms per step of rank 1's
+# pushes plus its own, while rank 1 makes a step's pushes in a few ms. So its intake fills within the
+# first steps and stays full until rank 1's pushes (held in the sockets) run out at the end: no buffer
+# goes back to the pool early, so none is dropped and made again.
+SLOW = soak.SoakConfig(
+    steps=60, workers=2, compression="none", delay_ms=0.5, sample_every=20, rss_limit_mib=None,
+    timeout_s=30, run_timeout_s=120, slow_owner_ms=20.0, slow_owner_rank=0,
+)
+
+
+@pytest.fixture(scope="module")
+def slow_results():
+    return soak.run_workers(SLOW)
+
+
+def test_slow_owner_intake_is_bounded(slow_results):
+    rec = soak.evaluate(slow_results, SLOW)
+    assert {c["name"] for c in rec["checks"]} == ALL_CHECKS | {"intake"}
+    assert rec["ok"], _failed(rec)
+    assert rec["ledger"]["exact"] and rec["ledger"]["max_abs_error"] == 0.0  # no push lost or doubled
+    slow = slow_results[0]
+    pool = slow["push_pool"]
+    # intake_limit(n, S) = 2nS + 2n with n = 2 workers and S = 3 shards owned (3 buckets).
+    assert pool["owned_shards"] == 3 and pool["limit"] == 2 * 2 * 3 + 2 * 2
+    # The slow owner fell behind (its intake filled up to the limit: the bound was exercised) and held
+    # no more than the limit; its pool made no more buffers than that over the whole run.
+    assert slow["stats"]["intake_peak"] == pool["peak"] == pool["limit"], pool
+    assert pool["allocated"] <= pool["limit"] and pool["live_max"] <= pool["limit"], pool
+    # The formula's intake term (docs/reliability.md, Memory per rank) is the engine's pool at its limit.
+    assert slow["buffer_bound"]["push intake"] == pool["limit"] * pool["frame_bytes"]
+    for r in slow_results:
+        assert r["stats"]["intake_peak"] <= r["push_pool"]["limit"], (r["rank"], r["push_pool"])
+        assert [s["phase"] for s in r["samples"]][-1] == "closed"  # close() returned on every rank
+
+
+def test_intake_check_can_fail(slow_results):
+    res = copy.deepcopy(slow_results)
+    res[0]["stats"]["intake_peak"] = res[0]["push_pool"]["limit"] + 1
+    rec = soak.evaluate(res, SLOW)
+    assert [c["name"] for c in rec["checks"] if not c["ok"]] == ["intake"]
+    res = copy.deepcopy(slow_results)
+    res[1]["push_pool"]["live_max"] = res[1]["push_pool"]["limit"] + 1
+    rec = soak.evaluate(res, SLOW)
+    assert [c["name"] for c in rec["checks"] if not c["ok"]] == ["intake"]

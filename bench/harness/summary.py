@@ -15,20 +15,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["add_ratios", "format_summary", "parse_targets", "time_to_target"]
+__all__ = ["add_ratios", "format_summary", "parse_per_model", "parse_targets", "time_to_target"]
 
 
-def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
-    """Target accuracies per model: ``None`` (the defaults), ``ACC`` (every model) or ``MODEL=ACC,...``
-    (the named models; the others keep their default)."""
+def parse_per_model(
+    text: str | None, defaults: Mapping[str, float], option: str, example: str
+) -> dict[str, float]:
+    """A number per model: ``None`` or empty (the defaults), ``X`` (every model) or ``MODEL=X,...`` (the
+    named models; the others keep their default). ValueError naming ``option`` (e.g. ``--target``)
+    with ``example`` (e.g. ``mlp=0.95,wide=0.9``) for anything else."""
     out = dict(defaults)
     if text is None or not text.strip():
         return out
     items = [t.strip() for t in text.split(",") if t.strip()]
     try:
         if len(items) == 1 and "=" not in items[0]:
-            acc = float(items[0])
-            out = {m: acc for m in out}
+            out = dict.fromkeys(out, float(items[0]))
         else:
             for item in items:
                 name, eq, value = item.partition("=")
@@ -37,9 +39,16 @@ def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, 
                 out[name.strip()] = float(value)
     except ValueError:
         raise ValueError(
-            f"--target {text!r}: give an accuracy (e.g. 0.95) or MODEL=ACC pairs (e.g. "
-            f"mlp=0.95,wide=0.9) for models {sorted(defaults)}"
+            f"{option} {text!r}: give a number for every model or MODEL=X pairs (e.g. {example}) for models "
+            f"{sorted(defaults)}"
         ) from None
+    return out
+
+
+def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
+    """Target accuracies per model: ``None`` (the defaults), ``ACC`` (every model) or ``MODEL=ACC,...``
+    (the named models; the others keep their default)."""
+    out = parse_per_model(text, defaults, "--target", "0.95, or mlp=0.95,wide=0.9")
     for m, acc in out.items():
         if not 0 < acc <= 1:
             raise ValueError(f"--target: accuracy of {m!r} must be in (0, 1], got {acc}")
