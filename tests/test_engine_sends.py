@@ -102,3 +102,44 @@ def test_engine_keeps_sends_in_flight_bounded(policy):
         received = 60 * n_buckets * (3 - 1)
         assert push59 < received and reply59 < received, allocated
         assert push_free <= push_keep and reply_free <= reply_keep, allocated
+
+
+def _copying_slow_owner(rank, world):
+    """ASP, rank 0's owner 20 ms slower per update, and a transport that copies every received payload
+    out of its receive buffer (as landing on a GPU does): the intake must still bound what rank 0 holds."""
+    import sys
+    from pathlib import Path
+
+    import pyasync
+    from pyasync.engine.owner import intake_limit
+    from pyasync.transport.tcp import TcpTransport
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import soak
+
+    class CopyingTcp(TcpTransport):
+        def land(self, tensors, device):
+            return [None if t is None else t.clone() for t in tensors], True
+
+    soak._slow_owner_s = 0.02 if rank == 0 else 0.0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = pyasync.DistributedOptimizer(soak.SlowOwnerSGD(model.parameters(), lr=1e-4), policy="asp",
+                                       timeout=TIMEOUT, transport=lambda g, t: CopyingTcp(g, t))
+    owner = opt.engine.owner
+    held = 0
+    for _ in range(150):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).square().sum().backward()
+        opt.step()
+        held = max(held, owner.intake.out, sum(a.q.qsize() for a in owner.appliers) - owner.local_intake.out)
+    limit = intake_limit(world, len(owner.route))
+    opt.close()
+    return held, limit, opt.stats().intake_peak
+
+
+@multiproc
+def test_the_intake_is_bounded_when_payloads_are_copied_out_of_their_buffers():
+    (held, limit, peak), *_ = run_workers(_copying_slow_owner, 2, timeout=180)
+    assert peak == limit, (peak, limit)  # the slow owner's intake filled up: the bound was exercised
+    assert held <= limit, (held, limit)

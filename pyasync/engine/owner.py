@@ -55,6 +55,47 @@ def intake_limit(world_size: int, owned: int) -> int:
     return 2 * world_size * max(1, owned) + 2 * world_size
 
 
+class Intake:
+    """Counted slots for the pushes an owner holds (Note [Bounded intake]): ``take`` waits while ``limit``
+    are out, ``give`` returns one; ``close`` wakes every waiter (PoolClosed). With ``timeout``, a wait
+    fails after that long without ``progress()`` moving; without, it waits as long as it takes (an idle
+    receiver)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.out = 0
+        self.peak = 0  # most slots out at once
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def take(self, timeout: datetime.timedelta | None = None, progress: Callable[[], int] | None = None,
+             what: str = "") -> None:
+        with self.cond:
+            seen = progress() if progress is not None else 0
+            deadline = None if timeout is None else _time() + timeout.total_seconds()
+            while self.out >= self.limit and not self.closed:
+                if deadline is not None:
+                    if progress is not None and progress() != seen:  # progress: the deadline starts again
+                        seen, deadline = progress(), _time() + timeout.total_seconds()
+                    elif _time() >= deadline:
+                        raise TimeoutError(f"pyasync: {what} for {timeout} ({self.out} waiting)")
+                self.cond.wait(None if deadline is None else min(max(deadline - _time(), 0.01), 1.0))
+            if self.closed:
+                raise PoolClosed("the owner was stopped")
+            self.out += 1
+            self.peak = max(self.peak, self.out)
+
+    def give(self) -> None:
+        with self.cond:
+            self.out -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
 class Owner:
     """The shards this rank owns, their appliers and the push receiver."""
 
@@ -97,18 +138,18 @@ class Owner:
         self.gate = ClipGate(owned, notify) if gated else None
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
-        # Push receive buffers, recycled once the push is applied, summed or dropped; sized by this
-        # rank's layout only.
+        # Pushes held (Note [Bounded intake]): from other ranks, and this rank's own. A slot is taken
+        # before a message is read and given back once the push is applied, summed or dropped, whether
+        # its payload still sits in its receive buffer or was copied to the device.
+        self.intake = Intake(intake_limit(world_size, len(owned)))
+        self.local_intake = Intake(2 * max(1, len(owned)))
+        # Receive buffers, recycled; sized by this rank's layout only. As many are kept as the intake
+        # lets out, so a backlog that drains and refills allocates nothing new.
         self.push_pool = (
-            transport.recv_pool(spec.max_push_frame(), 2 * world_size * max(1, len(owned)), self.device,
-                                limit=intake_limit(world_size, len(owned)))
+            transport.recv_pool(spec.max_push_frame(), self.intake.limit, self.device)
             if transport is not None
             else None
         )
-        # This rank's own pushes waiting for the applier (Note [Bounded intake]).
-        self.local_limit = 2 * max(1, len(owned))
-        self.local_out = 0
-        self.local_cond = threading.Condition()
         self.aborted = False
         self.rings: dict[tuple[int, int], object] = {}  # (bucket, worker) -> the transport's reply frames
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
@@ -126,24 +167,10 @@ class Owner:
             self.receiver.start()
 
     def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool], event) -> None:
-        """Queue this rank's own push for its applier, waiting while ``local_limit`` of them are queued
-        (at most the timeout without one being consumed)."""
-        with self.local_cond:
-            seen = self.processed_total()
-            deadline = _time() + self.timeout.total_seconds()
-            while self.local_out >= self.local_limit and not self.aborted:
-                left = deadline - _time()
-                if self.processed_total() != seen:  # progress: the deadline starts again
-                    seen, deadline = self.processed_total(), _time() + self.timeout.total_seconds()
-                elif left <= 0:
-                    raise TimeoutError(
-                        f"pyasync: rank {self.rank}'s own appliers took none of its pushes for {self.timeout} "
-                        f"({self.local_out} waiting)"
-                    )
-                self.local_cond.wait(min(max(left, 0.01), 1.0))
-            if self.aborted:
-                raise PoolClosed("the owner was stopped")
-            self.local_out += 1
+        """Queue this rank's own push for its applier, waiting while ``local_intake.limit`` of them are
+        queued (at most the timeout without one being consumed)."""
+        self.local_intake.take(self.timeout, self.processed_total,
+                               f"rank {self.rank}'s own appliers took none of its pushes")
         self.route[b].q.put(Push(b, self.rank, clock, version, payload, tuple(mask), None, event))
 
     def processed_total(self) -> int:
@@ -158,10 +185,8 @@ class Owner:
     def abort(self) -> None:
         """Wake every thread of the owner that waits (the receiver on its pool, local pushes, appliers)."""
         self.aborted = True
-        if self.push_pool is not None:
-            self.push_pool.close()
-        with self.local_cond:
-            self.local_cond.notify_all()
+        self.intake.close()
+        self.local_intake.close()
         for a in self.appliers:
             a.q.put(Stop(None))
 
@@ -198,14 +223,11 @@ class Owner:
 
     # -- applier callbacks ----------------------------------------------------------------------------
     def release(self, push: Push) -> None:
-        """A push's payload is consumed: its receive buffer goes back to the pool (or, for this rank's
-        own push, its slot in the local intake)."""
-        if push.frame is not None and self.push_pool is not None:
+        """A push's payload is consumed: its slot in the intake comes back, and its receive buffer (if it
+        still holds the payload) goes back to the pool."""
+        if push.frame is not None:
             self.push_pool.put(push.frame)
-        elif push.worker == self.rank:
-            with self.local_cond:
-                self.local_out -= 1
-                self.local_cond.notify_all()
+        (self.local_intake if push.worker == self.rank else self.intake).give()
 
     def progressed(self) -> None:
         if self.watchers:  # read without the lock: a waiter checks its condition under it before sleeping
@@ -257,6 +279,7 @@ class Owner:
         remaining = set(range(self.n)) - {self.rank}
         try:
             while remaining:
+                self.intake.take()  # waits while the intake is full: stop reading (Note [Bounded intake])
                 frame = self.push_pool.get()
                 src = self.transport.recv_any(frame, "push")
                 h = wire.frame_header(frame, src)
@@ -264,6 +287,7 @@ class Owner:
                     self.spec.check_close(h)
                     self.bytes_received += wire.HEADER_BYTES
                     self.push_pool.put(frame)
+                    self.intake.give()  # a control message holds nothing
                     if h.kind != wire.CLOSE:
                         for a in self.appliers:
                             a.q.put(Pause(src, h.kind == wire.PAUSE))

@@ -68,5 +68,5 @@ def collect_stats(clock: int, mailbox, owner, pusher, wait_seconds: float, grad_
     st.pushes_sent = pusher.pushes_sent
     st.grad_norm = grad_norm
     st.buckets_reencoded = pusher.reencoded
-    st.intake_peak = owner.push_pool.peak if owner.push_pool is not None else 0
+    st.intake_peak = owner.intake.peak
     return st
