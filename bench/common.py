@@ -28,9 +28,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git(*args: str) -> Optional[str]:
+def _git(*args: str) -> str | None:
     try:
         r = subprocess.run(
             ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=False
@@ -131,7 +132,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     return info
 
 
-def _numpy_version() -> Optional[str]:
+def _numpy_version() -> str | None:
     try:
         import numpy
     except ImportError:
@@ -139,7 +140,7 @@ def _numpy_version() -> Optional[str]:
     return numpy.__version__
 
 
-def loadavg() -> Optional[float]:
+def loadavg() -> float | None:
     """The 1-minute load average (runnable processes; above the core count means the figures are
     shared with other work), None where the OS does not say."""
     try:
@@ -153,7 +154,7 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 
 
-def set_threads(n: Optional[int]) -> int:
+def set_threads(n: int | None) -> int:
     """Give pyasync's CPU kernels and torch the same number of threads (None: pyasync's default,
     which is OpenMP's, i.e. all cores) so that comparisons are fair; returns the count used."""
     from pyasync import _ext
@@ -226,7 +227,7 @@ def time_candidates(
     repeats: int,
     warmup: int,
     min_sample_s: float,
-    budget_s: Optional[float] = None,
+    budget_s: float | None = None,
     min_repeats: int = 3,
 ) -> dict[str, Timing]:
     """Time every zero-argument callable in `fns` round-robin; see the module docstring.
@@ -305,7 +306,7 @@ def device_busy(
         for e in prof.events():
             if e.device_type == DeviceType.CUDA:
                 per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us()
-    except Exception as e:  # noqa: BLE001 - the figure is optional; the reason goes into the record
+    except Exception as e:
         text = str(e).strip().splitlines()
         return DeviceBusy(None, [], f"{type(e).__name__}: {text[0][:300] if text else ''}")
     if not per_name:
@@ -344,7 +345,7 @@ def gbps(nbytes: int, ms: float) -> float:
 # Results
 
 
-def write_results(path: Optional[str], records: Sequence[Mapping[str, Any]]) -> None:
+def write_results(path: str | None, records: Sequence[Mapping[str, Any]]) -> None:
     """Write `records` as one JSON list to `path` (atomically: a temp file, then a rename); NaN and
     Inf become null. No-op when `path` is empty."""
     if not path:
@@ -416,13 +417,15 @@ def parse_size(s: str) -> int:
     return int(v)
 
 
-def collect_worker_results(procs: list, results, deadline: float, grace_s: float = 10.0) -> dict[int, tuple[str, Any]]:
+def collect_worker_results(
+    procs: list, results, deadline: float, grace_s: float = 10.0
+) -> dict[int, tuple[str, Any]]:
     """Results of spawned worker processes: ``results`` is a queue each worker puts one
     ``(rank, "ok" | "error", value)`` on. Returns {rank: (status, value)} once every worker reported,
     the monotonic ``deadline`` passed, or a worker failed (then the others get ``grace_s`` to report
     their own view of the failure) or died without a result (reported as an error with its exit
     code). Every worker still alive afterwards is killed and joined, so nothing outlives the call."""
-    import queue as queue_mod  # noqa: PLC0415
+    import queue as queue_mod
 
     got: dict[int, tuple[str, Any]] = {}
     n = len(procs)

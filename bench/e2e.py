@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 common.use_source_tree()
 
@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--systems",
         default=None,
         help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind, or a pyasync policy (bsp, ssp:S, "
-        "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
+        "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... "
+        "(default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
         "--scenarios",
@@ -146,7 +147,7 @@ def hivemind_status() -> str | None:
     """None when hivemind imports, else why not (one line)."""
     try:
         import hivemind  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: skip hivemind
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         spec = MODELS[model]
         epochs = args.epochs or (QUICK_EPOCHS[model] if args.quick else spec.epochs)
 
-        def config(system) -> BenchConfig:
+        def config(system, model=model, sc=sc, spec=spec, epochs=epochs) -> BenchConfig:
             return BenchConfig(
                 system=system,
                 workers=args.workers,

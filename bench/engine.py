@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 common.use_source_tree()
 
@@ -85,12 +85,17 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
     if mode == "ddp":
         dist.barrier()
     else:
-        opt.barrier()  # a plain barrier can strand a slow rank under Quorum(k < n), see DistributedOptimizer.barrier
+        # A plain barrier can strand a slow rank under Quorum(k < n), see DistributedOptimizer.barrier.
+        opt.barrier()
     cpu0, t0 = time.process_time(), time.perf_counter()
     for _ in range(args.steps):
         step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    rec: dict[str, Any] = {"rank": rank, "ms_per_step": 1e3 * wall / args.steps, "cpu_ms_per_step": 1e3 * cpu / args.steps}
+    rec: dict[str, Any] = {
+        "rank": rank,
+        "ms_per_step": 1e3 * wall / args.steps,
+        "cpu_ms_per_step": 1e3 * cpu / args.steps,
+    }
     if mode != "ddp":
         st = opt.stats()
         rec["bytes_sent_per_step"] = st.bytes_sent / st.clock if st.clock else None
@@ -141,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         for m in modes:
             r = run_mode(m, args)
             rounds[m].append(r)
-            print(f"round {i + 1}/{args.rounds} {m:>8}: {r['ms_per_step']:7.2f} ms/step, "
-                  f"{r['cpu_ms_per_rank_step']:6.2f} CPU ms/rank/step (load {r['loadavg']})", flush=True)
+            print(
+                f"round {i + 1}/{args.rounds} {m:>8}: {r['ms_per_step']:7.2f} ms/step, "
+                f"{r['cpu_ms_per_rank_step']:6.2f} CPU ms/rank/step (load {r['loadavg']})",
+                flush=True,
+            )
     machine, cmd = common.machine_info("cpu"), common.command_line()
     records = []
     for m in modes:
@@ -163,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                 "command": cmd,
             }
         )
-    print(common.format_table(records, [("mode", "mode"), ("ms_per_step", "ms/step"), ("cpu_ms_per_rank_step", "CPU ms/rank/step")]))
+    print(
+        common.format_table(
+            records,
+            [("mode", "mode"), ("ms_per_step", "ms/step"), ("cpu_ms_per_rank_step", "CPU ms/rank/step")],
+        )
+    )
     common.write_results(args.out, records)
     return 0
 

@@ -17,9 +17,10 @@ import gc
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -424,7 +425,7 @@ def all_cases() -> list[tuple[str, Callable[[Ctx], Case]]]:
     return cases
 
 
-def select_cases(patterns: Optional[str]) -> list[tuple[str, Callable[[Ctx], Case]]]:
+def select_cases(patterns: str | None) -> list[tuple[str, Callable[[Ctx], Case]]]:
     """Cases whose name equals, starts with (at a ':' boundary) or glob-matches one of the
     comma-separated `patterns` (None: all). Unknown patterns are a ValueError listing the names."""
     cases = all_cases()
@@ -475,7 +476,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def _compile(case: Case, device: torch.device) -> tuple[Optional[Candidate], dict[str, Any]]:
+def _compile(case: Case, device: torch.device) -> tuple[Candidate | None, dict[str, Any]]:
     """The reference under torch.compile (a fresh compile for this shape) and its first call;
     (None, {"compile_error": reason}) when compiling or running it fails."""
     import torch._dynamo
@@ -489,7 +490,7 @@ def _compile(case: Case, device: torch.device) -> tuple[Optional[Candidate], dic
         cand.fn()
         bc.synchronize(device)
         return cand, {"compile_s": round(time.perf_counter() - t0, 2)}
-    except Exception as e:  # noqa: BLE001 - any compile failure becomes a null figure with its reason
+    except Exception as e:
         torch._dynamo.reset()
         return None, {"compile_error": _first_line(e)}
 
@@ -586,7 +587,7 @@ TABLE = [
 DEVICE_COLUMNS = [("device_ms", "GPU busy ms"), ("device_copy_fraction", "busy of copy")]
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the JSON list of records here (default: only print the table)")
     p.add_argument("--sizes", help="comma-separated element counts, K/M/G = 1e3/1e6/1e9 (default: 1M,25M)")
@@ -641,7 +642,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pyasync import _ext
 
@@ -670,7 +671,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             t0 = time.perf_counter()
             try:
                 rec = run_case(build(ctx), ctx, args)
-            except Exception as e:  # noqa: BLE001 - one broken op must not lose the others' figures
+            except Exception as e:
                 failed += 1
                 rec = {"op": name, "numel": n, "device": device.type, "threads": args.threads, "ms": None,
                        "error": _first_line(e)}

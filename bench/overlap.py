@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 common.use_source_tree()
 
@@ -333,7 +333,7 @@ def _worker(rank: int, cfg: Config, port: int, prefix: str, results: Any) -> Non
         results.put((rank, "ok", out))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - shipped to the parent as text
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     # Skip the interpreter's slow teardown of torch: hand the queued result over and leave.
     results.close()

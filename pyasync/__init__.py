@@ -19,9 +19,9 @@ from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
 __all__ = [
     "ASP",
     "BSP",
+    "SSP",
     "CheckpointChanged",
     "CheckpointError",
-    "SSP",
     "DistributedOptimizer",
     "NonFiniteGradientError",
     "PeerFailure",

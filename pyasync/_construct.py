@@ -14,8 +14,9 @@ __all__ = ["check_options", "describe_group", "trainable_params"]
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group,
-                   max_grad_norm) -> None:
+def check_options(
+    bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm
+) -> None:
     """Raise a clear error for a bad constructor argument (before anything is built)."""
     if max_grad_norm is not None:
         check_real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
@@ -37,7 +38,8 @@ def check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport,
         )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
-            f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
+            "process_group must be a torch.distributed ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
         )
 
 
@@ -48,7 +50,9 @@ def trainable_params(param_groups, named_parameters) -> tuple[list[torch.Tensor]
     if named_parameters is not None:
         for item in named_parameters:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise TypeError("named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()")
+                raise TypeError(
+                    "named_parameters must yield (name, parameter) pairs, e.g. model.named_parameters()"
+                )
             names.setdefault(id(item[1]), item[0])
     params: list[torch.Tensor] = []
     groups: list[int] = []

@@ -17,12 +17,14 @@ _BUILD_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> ModuleType:
     try:
-        from pyasync import _C  # noqa: PLC0415
+        from pyasync import _C
     except ImportError as e:
-        raise ImportError(f"pyasync's compiled core (pyasync._C) could not be imported: {e}. {_BUILD_HINT}") from e
+        raise ImportError(
+            f"pyasync's compiled core (pyasync._C) could not be imported: {e}. {_BUILD_HINT}"
+        ) from e
     return _C
 
 

@@ -24,7 +24,8 @@ The kernels are in :mod:`pyasync.ops.codecs`; their pure-torch specification is
 from __future__ import annotations
 
 import re
-from typing import Any, Hashable, Optional, Union
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -99,13 +100,13 @@ class Compressor:
         """Bytes of the payload tensors for n elements (headers aside)."""
         return _codecs.payload_nbytes(self.name, n, **self._encode_kwargs(n))
 
-    def ratio(self, n: Optional[int] = None) -> float:
+    def ratio(self, n: int | None = None) -> float:
         """Compressed bytes / fp32 bytes: for n elements, or for large n when n is None."""
         if n is None:
             n = 1 << 24
         return self.wire_bytes(n) / (4.0 * n)
 
-    def compress(self, tensor: torch.Tensor, key: Hashable = None, out: Optional[Payload] = None) -> Payload:
+    def compress(self, tensor: torch.Tensor, key: Hashable = None, out: Payload | None = None) -> Payload:
         """Encode `tensor` (contiguous fp32, any shape; n elements) plus the residual of slot `key`.
 
         The residual of `key` is created on first use (zeros, the tensor's size and device); a later
@@ -146,14 +147,14 @@ class Compressor:
             cur, prev = self._residuals[key]
             self._residuals[key] = [prev, cur]
 
-    def decompress(self, payload: Payload, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decompress(self, payload: Payload, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values a payload stands for: a new 1-D tensor, or written into `out` (contiguous
         fp32 with payload.n elements, on the payload's device)."""
         if isinstance(payload, Payload) and payload.codec != self.name:
             raise ValueError(f"payload has codec {payload.codec!r} but this compressor is {self.spec()!r}")
         return _codecs.decode(payload, out=out)
 
-    def residual(self, key: Hashable = None) -> Optional[torch.Tensor]:
+    def residual(self, key: Hashable = None) -> torch.Tensor | None:
         """The current residual of slot `key` (a live buffer: do not modify), or None."""
         slot = self._residuals.get(key)
         return None if slot is None else slot[0]
@@ -286,7 +287,7 @@ _SPEC_HELP = (
 )
 
 
-def _parse_value(name: str, key: str, text: str) -> Union[int, float, bool]:
+def _parse_value(name: str, key: str, text: str) -> int | float | bool:
     try:
         if key == "ratio":
             return float(text)
@@ -299,7 +300,7 @@ def _parse_value(name: str, key: str, text: str) -> Union[int, float, bool]:
     raise ValueError(f"compression spec for {name!r}: bad value {text!r} for {key!r}; {_SPEC_HELP}")
 
 
-def from_spec(x: Union[Compressor, str, None]) -> Compressor:
+def from_spec(x: Compressor | str | None) -> Compressor:
     """A compressor from a Compressor (returned as is), None (NoCompression) or a string."""
     if x is None:
         return NoCompression()

@@ -41,12 +41,13 @@ if TYPE_CHECKING:
 __all__ = ["DistributedOptimizer"]
 
 
-
 def _destroy(group) -> None:
     try:
         dist.destroy_process_group(group)
-    except Exception as e:  # noqa: BLE001 - teardown goes on (the default group may be gone already)
-        warnings.warn(f"pyasync: could not destroy the optimizer's gloo group: {e}", RuntimeWarning, stacklevel=3)
+    except Exception as e:
+        warnings.warn(
+            f"pyasync: could not destroy the optimizer's gloo group: {e}", RuntimeWarning, stacklevel=3
+        )
 
 
 def _abandon(engine: Engine, control) -> None:
@@ -127,12 +128,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         other = getattr(optimizer, "_pyasync_wrapper", lambda: None)()
         if other is not None and not other.closed:
             raise TypeError(
-                f"this {type(optimizer).__name__} is already wrapped by an open DistributedOptimizer ({other!r}); "
+                f"this {type(optimizer).__name__} is already wrapped by an open DistributedOptimizer "
+                f"({other!r}); "
                 "wrap a torch optimizer once (or close() the first wrapper before wrapping it again)"
             )
         self._policy = parse_policy(policy)
         self._comp = _compression.from_spec(compression)
-        check_options(bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm)
+        check_options(
+            bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm
+        )
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         if grad_edits not in ("detect", "forbid"):
             raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
@@ -178,7 +182,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             empty = [r for r in range(self._world) if not any(lay.shards[r].numel for lay in self._layouts)]
             if empty:
                 raise ValueError(
-                    f"max_grad_norm under {self._policy.spec()} needs every rank to own part of the parameters, "
+                    f"max_grad_norm under {self._policy.spec()} needs every rank to own part of the "
+                    "parameters, "
                     f"but ranks {empty} own none (the model has fewer elements per bucket than ranks)"
                 )
 
@@ -198,7 +203,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._broadcast_initial()
                 except AgreementError:
                     raise
-                except Exception as e:  # noqa: BLE001 - a peer that died meanwhile: name it
+                except Exception as e:
                     raise collective_failure(e, tp, "the startup agreement") from e
             except BaseException:
                 if isinstance(tp, Transport):
@@ -363,7 +368,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         try:
             dist.monitored_barrier(group=self._control, timeout=self._timeout, wait_all_ranks=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = collective_failure(e, self.engine.transport, what)
             self.engine._sticky(err)
             raise err from e
@@ -400,7 +405,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Already failing: still try to finish together, but never hide the original error.
         try:
             self.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             warnings.warn(
                 f"pyasync: close() after {exc_type.__name__} failed too: {e}", RuntimeWarning, stacklevel=2
             )

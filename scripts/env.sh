@@ -9,13 +9,13 @@ if [ ! -x .venv/bin/python ]; then
   echo "[pyasync] creating .venv with $($py --version)"
   "$py" -m venv .venv
 fi
-stamp=.venv/.pyasync-deps-v1
+stamp=.venv/.pyasync-deps-v2
 if [ ! -f "$stamp" ]; then
   echo "[pyasync] installing dependencies (torch==2.13.0 CPU wheel where available)"
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned: a bare `torch` can pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0" numpy pybind11 cmake ninja "setuptools>=77" wheel \
-    pytest hypothesis scikit-learn matplotlib tqdm
+    pytest hypothesis scikit-learn matplotlib tqdm "ruff==0.17.6"
   touch "$stamp"
 fi
 echo "[pyasync] building pyasync._C (CMake + Ninja; CUDA kernels too when nvcc is found)"

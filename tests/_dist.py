@@ -61,7 +61,7 @@ def _entry(
         buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with the worker process
         torch.save(out, buf)
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - shipped to the parent as text
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 
@@ -95,6 +95,7 @@ def run_workers(
         p.start()
     got: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
+
     def settled() -> bool:
         return all(i in got or (i in may_die and not p.is_alive()) for i, p in enumerate(procs))
 
@@ -143,7 +144,8 @@ def run_workers(
             exitcodes[:] = [p.exitcode for p in procs]
     if settled() and all(s == "ok" for s, _ in got.values()):
         return [
-            torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None for r in range(world_size)
+            torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None
+            for r in range(world_size)
         ]
     report = []
     for r, p in enumerate(procs):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import replace
-from typing import Optional
 
 import pytest
 import torch
@@ -41,7 +40,9 @@ def _gpu_ready() -> bool:
 # Payloads from random codes, and an independent decoder
 
 
-def make_payload(codec: str, n: int, gen: torch.Generator, device: str = "cpu", block: int = BLOCK) -> Payload:
+def make_payload(
+    codec: str, n: int, gen: torch.Generator, device: str = "cpu", block: int = BLOCK
+) -> Payload:
     nb = -(-n // block)
     if codec == "none":
         p = Payload("none", n, torch.randn(n, generator=gen))
@@ -64,8 +65,12 @@ def make_payload(codec: str, n: int, gen: torch.Generator, device: str = "cpu", 
 
 
 def move(p: Payload, device: str) -> Payload:
-    return replace(p, codes=p.codes.to(device), scales=None if p.scales is None else p.scales.to(device),
-                   indices=None if p.indices is None else p.indices.to(device))
+    return replace(
+        p,
+        codes=p.codes.to(device),
+        scales=None if p.scales is None else p.scales.to(device),
+        indices=None if p.indices is None else p.indices.to(device),
+    )
 
 
 def decoded(p: Payload) -> torch.Tensor:
@@ -85,8 +90,9 @@ def decoded(p: Payload) -> torch.Tensor:
     return out
 
 
-def oracle_grad(payload: Optional[Payload], grad_scale: float, dense: Optional[torch.Tensor],
-                dense_scale: float) -> torch.Tensor:
+def oracle_grad(
+    payload: Payload | None, grad_scale: float, dense: torch.Tensor | None, dense_scale: float
+) -> torch.Tensor:
     g = None if payload is None else decoded(payload) * grad_scale
     if dense is not None:
         g = dense * dense_scale if g is None else dense * dense_scale + g
@@ -117,8 +123,9 @@ CONFIGS = {**SGD_CONFIGS, **ADAM_CONFIGS}
 class Runner:
     """One shard under pyasync (`impl`) and the same shard under torch.optim, stepped together."""
 
-    def __init__(self, name: str, n: int, gen: torch.Generator, device: str = "cpu", impl=ops,
-                 fused: bool = False):
+    def __init__(
+        self, name: str, n: int, gen: torch.Generator, device: str = "cpu", impl=ops, fused: bool = False
+    ):
         """fused: the torch side is torch.optim's fused implementation instead of the single-tensor one."""
         self.cfg = dict(CONFIGS[name])
         self.adam = name in ADAM_CONFIGS
@@ -133,9 +140,15 @@ class Runner:
             self.exp_avg = torch.zeros(n, device=device)
             self.exp_avg_sq = torch.zeros(n, device=device)
             cls = torch.optim.AdamW if c.get("decoupled_weight_decay") else torch.optim.Adam
-            self.opt = cls([self.tparam], lr=c["lr"], betas=(c.get("beta1", 0.9), c.get("beta2", 0.999)),
-                           eps=c.get("eps", 1e-8), weight_decay=c.get("weight_decay", 0.0),
-                           maximize=c.get("maximize", False), **impl_kw)
+            self.opt = cls(
+                [self.tparam],
+                lr=c["lr"],
+                betas=(c.get("beta1", 0.9), c.get("beta2", 0.999)),
+                eps=c.get("eps", 1e-8),
+                weight_decay=c.get("weight_decay", 0.0),
+                maximize=c.get("maximize", False),
+                **impl_kw,
+            )
         else:
             self.buf = torch.full((n,), float("nan"), device=device)  # first_step must overwrite it
             self.opt = torch.optim.SGD([self.tparam], **impl_kw, **c)
@@ -143,11 +156,18 @@ class Runner:
     def apply(self, **grad) -> None:
         self.step += 1
         if self.adam:
-            self.impl.adam_apply(self.param, **grad, **self.cfg, step=self.step, exp_avg=self.exp_avg,
-                                 exp_avg_sq=self.exp_avg_sq)
+            self.impl.adam_apply(
+                self.param,
+                **grad,
+                **self.cfg,
+                step=self.step,
+                exp_avg=self.exp_avg,
+                exp_avg_sq=self.exp_avg_sq,
+            )
         else:
-            self.impl.sgd_apply(self.param, **grad, **self.cfg, momentum_buffer=self.buf,
-                                first_step=self.step == 1)
+            self.impl.sgd_apply(
+                self.param, **grad, **self.cfg, momentum_buffer=self.buf, first_step=self.step == 1
+            )
 
     def torch_step(self, g: torch.Tensor) -> None:
         self.tparam.grad = g.clone()
@@ -166,14 +186,19 @@ class Runner:
         st = self.opt.state[self.tparam]
         out = [("param", self.param, self.tparam.detach())]
         if self.adam:
-            out += [("exp_avg", self.exp_avg, st["exp_avg"]), ("exp_avg_sq", self.exp_avg_sq, st["exp_avg_sq"])]
+            out += [
+                ("exp_avg", self.exp_avg, st["exp_avg"]),
+                ("exp_avg_sq", self.exp_avg_sq, st["exp_avg_sq"]),
+            ]
         elif self.cfg.get("momentum", 0.0):
             out.append(("momentum_buffer", self.buf, st["momentum_buffer"]))
         return out
 
     def check(self, rtol: float = RTOL, atol: float = ATOL) -> None:
         for what, mine, theirs in self.pairs():
-            torch.testing.assert_close(mine, theirs, rtol=rtol, atol=atol, msg=lambda m: f"{what} step {self.step}: {m}")
+            torch.testing.assert_close(
+                mine, theirs, rtol=rtol, atol=atol, msg=lambda m, what=what: f"{what} step {self.step}: {m}"
+            )
 
 
 def gradient_args(mode: str, codec: str, n: int, gen: torch.Generator, device: str = "cpu") -> dict:
@@ -188,15 +213,22 @@ def gradient_args(mode: str, codec: str, n: int, gen: torch.Generator, device: s
     return args
 
 
-def run_against_torch(name: str, codec: str, mode: str, n: int, seed: int, device: str = "cpu",
-                      steps: int = STEPS) -> Runner:
+def run_against_torch(
+    name: str, codec: str, mode: str, n: int, seed: int, device: str = "cpu", steps: int = STEPS
+) -> Runner:
     gen = torch.Generator().manual_seed(seed)
     r = Runner(name, n, gen, device)
     for _ in range(steps):
         args = gradient_args(mode, codec, n, gen, device)
         r.apply(**args)
-        r.torch_step(oracle_grad(args.get("payload"), args.get("grad_scale", 1.0), args.get("dense"),
-                                 args.get("dense_scale", 1.0)))
+        r.torch_step(
+            oracle_grad(
+                args.get("payload"),
+                args.get("grad_scale", 1.0),
+                args.get("dense"),
+                args.get("dense_scale", 1.0),
+            )
+        )
         r.check()
     return r
 
@@ -236,7 +268,9 @@ def test_sgd_first_step_overwrites_buffer_and_zero_size_is_a_no_op() -> None:
     ops.sgd_apply(param, dense=g, lr=0.1, momentum=0.9, momentum_buffer=buf, first_step=True)
     assert torch.equal(buf, g)
     empty = torch.empty(0)
-    ops.adam_apply(empty, dense=torch.empty(0), lr=0.1, step=1, exp_avg=torch.empty(0), exp_avg_sq=torch.empty(0))
+    ops.adam_apply(
+        empty, dense=torch.empty(0), lr=0.1, step=1, exp_avg=torch.empty(0), exp_avg_sq=torch.empty(0)
+    )
     ops.sgd_apply(empty, payload=make_payload("int8", 0, gen), lr=0.1)
 
 
@@ -257,7 +291,7 @@ def test_matches_reference(name: str, codec: str) -> None:
         a.apply(**args)
         b.apply(**args)
     for (what, x), (_, y) in zip(a.tensors(), b.tensors()):
-        torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL, msg=lambda m, what=what: f"{what}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,8 +308,17 @@ def test_num_threads_one_equals_default(codec: str) -> None:
     outs = []
     for nt in (1, None):
         p, m, v = p0.clone(), m0.clone(), v0.clone()
-        ops.adam_apply(p, **args, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, step=3, exp_avg=m,
-                       exp_avg_sq=v, num_threads=nt)
+        ops.adam_apply(
+            p,
+            **args,
+            lr=1e-2,
+            weight_decay=0.1,
+            decoupled_weight_decay=True,
+            step=3,
+            exp_avg=m,
+            exp_avg_sq=v,
+            num_threads=nt,
+        )
         outs.append((p, m, v))
     for x, y in zip(*outs):
         assert torch.equal(x, y)
@@ -300,7 +343,9 @@ def test_misaligned_views_and_scratch() -> None:
     ops.sgd_apply(q1, **targs, lr=0.1, scratch=scratch)
     ops.sgd_apply(q2, **targs, lr=0.1)
     assert torch.equal(q1, q2)
-    torch.testing.assert_close(scratch, oracle_grad(targs["payload"], 0.25, targs["dense"], 0.5), rtol=0, atol=0)
+    torch.testing.assert_close(
+        scratch, oracle_grad(targs["payload"], 0.25, targs["dense"], 0.5), rtol=0, atol=0
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -317,8 +362,14 @@ def _sgd(**kw):
 
 def _adam(**kw):
     n = 16
-    base = dict(param=torch.zeros(n), dense=torch.zeros(n), lr=0.1, step=1, exp_avg=torch.zeros(n),
-                exp_avg_sq=torch.zeros(n))
+    base = dict(
+        param=torch.zeros(n),
+        dense=torch.zeros(n),
+        lr=0.1,
+        step=1,
+        exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n),
+    )
     base.update(kw)
     p = base.pop("param")
     ops.adam_apply(p, **base)
@@ -334,22 +385,38 @@ def _adam(**kw):
         (lambda: _sgd(momentum=-0.1), ValueError, "momentum must be >= 0"),
         (lambda: _sgd(weight_decay=-1e-3), ValueError, "weight_decay must be >= 0"),
         (lambda: _sgd(nesterov=True), ValueError, "nesterov=True requires momentum > 0"),
-        (lambda: _sgd(nesterov=True, momentum=0.9, dampening=0.1, momentum_buffer=torch.zeros(16)),
-         ValueError, "dampening == 0"),
+        (
+            lambda: _sgd(nesterov=True, momentum=0.9, dampening=0.1, momentum_buffer=torch.zeros(16)),
+            ValueError,
+            "dampening == 0",
+        ),
         (lambda: _sgd(momentum=0.9), ValueError, "needs momentum_buffer"),
-        (lambda: _sgd(momentum=0.9, momentum_buffer=torch.zeros(15)), ValueError, "momentum_buffer must have 16"),
-        (lambda: _sgd(momentum=0.9, momentum_buffer=torch.zeros(16, dtype=torch.float64)), TypeError,
-         "momentum_buffer must have dtype"),
+        (
+            lambda: _sgd(momentum=0.9, momentum_buffer=torch.zeros(15)),
+            ValueError,
+            "momentum_buffer must have 16",
+        ),
+        (
+            lambda: _sgd(momentum=0.9, momentum_buffer=torch.zeros(16, dtype=torch.float64)),
+            TypeError,
+            "momentum_buffer must have dtype",
+        ),
         (lambda: _sgd(first_step=1), TypeError, "first_step must be a bool"),
         (lambda: _sgd(param=torch.zeros(4, 4), dense=torch.zeros(16)), ValueError, "param must be 1-D"),
         (lambda: _sgd(param=torch.zeros(32)[::2]), ValueError, "param must be contiguous"),
         (lambda: _sgd(param=torch.zeros(16, dtype=torch.float16)), TypeError, "param must have dtype"),
         (lambda: _sgd(dense=torch.zeros(17)), ValueError, "dense must have 16 elements"),
-        (lambda: _sgd(grad_scale=float("inf"), payload=make_payload("none", 16, torch.Generator())), ValueError,
-         "grad_scale must be finite"),
+        (
+            lambda: _sgd(grad_scale=float("inf"), payload=make_payload("none", 16, torch.Generator())),
+            ValueError,
+            "grad_scale must be finite",
+        ),
         (lambda: _sgd(payload=make_payload("int8", 15, torch.Generator())), ValueError, "15 elements"),
-        (lambda: _sgd(payload=replace(make_payload("fp16", 16, torch.Generator()), finite=False)), ValueError,
-         "payload.finite is False"),
+        (
+            lambda: _sgd(payload=replace(make_payload("fp16", 16, torch.Generator()), finite=False)),
+            ValueError,
+            "payload.finite is False",
+        ),
         (lambda: _sgd(payload="int8"), TypeError, "payload must be a pyasync Payload"),
         (lambda: _sgd(num_threads=-1), ValueError, "num_threads"),
         (lambda: _sgd(scratch=torch.zeros(3)), ValueError, "scratch must have 16"),
@@ -385,8 +452,14 @@ def test_reference_rejects_what_ops_rejects() -> None:
     with pytest.raises(ValueError, match="nesterov"):
         ref.sgd_apply(torch.zeros(4), dense=torch.zeros(4), lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="step must be >= 1"):
-        ref.adam_apply(torch.zeros(4), dense=torch.zeros(4), lr=0.1, step=0, exp_avg=torch.zeros(4),
-                       exp_avg_sq=torch.zeros(4))
+        ref.adam_apply(
+            torch.zeros(4),
+            dense=torch.zeros(4),
+            lr=0.1,
+            step=0,
+            exp_avg=torch.zeros(4),
+            exp_avg_sq=torch.zeros(4),
+        )
 
 
 def test_bias_correction_scalars_are_torchs() -> None:
@@ -402,7 +475,9 @@ def test_bias_correction_scalars_are_torchs() -> None:
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("name", ["sgd-nesterov-wd", "sgd-momentum-dampening-wd", "adam-maximize-betas", "adamw"])
+@pytest.mark.parametrize(
+    "name", ["sgd-nesterov-wd", "sgd-momentum-dampening-wd", "adam-maximize-betas", "adamw"]
+)
 def test_cuda_matches_torch_optim(name: str, codec: str) -> None:
     if not _gpu_ready():
         pytest.skip("pyasync was built without CUDA kernels")
@@ -434,12 +509,14 @@ def test_cuda_matches_cpu(name: str, codec: str, offset: int) -> None:
     for _ in range(4):
         args = gradient_args("both", codec, n, gen)
         cpu.apply(**args)
-        dargs = {k: (move(v, "cuda") if isinstance(v, Payload) else v.cuda() if torch.is_tensor(v) else v)
-                 for k, v in args.items()}
+        dargs = {
+            k: (move(v, "cuda") if isinstance(v, Payload) else v.cuda() if torch.is_tensor(v) else v)
+            for k, v in args.items()
+        }
         dev.apply(**dargs)
     torch.cuda.synchronize()
     for (what, x), (_, y) in zip(cpu.tensors(), dev.tensors()):
-        torch.testing.assert_close(y.cpu(), x, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(y.cpu(), x, rtol=RTOL, atol=ATOL, msg=lambda m, what=what: f"{what}: {m}")
 
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[cuda, needs_gpu])]
@@ -467,8 +544,14 @@ def test_matches_torch_fused_optimizer(name: str, codec: str, device: str) -> No
     for _ in range(STEPS):
         args = gradient_args("both", codec, n, gen, device)
         r.apply(**args)
-        r.torch_step(oracle_grad(args.get("payload"), args.get("grad_scale", 1.0), args.get("dense"),
-                                 args.get("dense_scale", 1.0)))
+        r.torch_step(
+            oracle_grad(
+                args.get("payload"),
+                args.get("grad_scale", 1.0),
+                args.get("dense"),
+                args.get("dense_scale", 1.0),
+            )
+        )
         r.check(rtol=FUSED_RTOL, atol=FUSED_ATOL)
 
 

@@ -20,7 +20,7 @@ def _train_with_barriers(rank, world, policy):
     p = torch.nn.Parameter(torch.zeros(4 * world))
     opt = pyasync.DistributedOptimizer(torch.optim.SGD([p], lr=0.125), policy=policy, timeout=TIMEOUT)
     done = 0
-    for block in range(3):
+    for _block in range(3):
         for t in range(6):
             if rank == world - 1 and t == 3:
                 # The slow rank's push of this step arrives after the others finished the block: it is

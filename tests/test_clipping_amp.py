@@ -23,14 +23,18 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 def _bsp_vs_ddp(rank, world, max_norm, steps=12):
-    import pyasync
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import pyasync
 
     model = _model(0)
     ref = DDP(copy.deepcopy(model))
     opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), policy="bsp", max_grad_norm=max_norm,
-        bucket_cap_mb=0.0002, timeout=TIMEOUT,  # several buckets: the norm spans all of them
+        torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
+        policy="bsp",
+        max_grad_norm=max_norm,
+        bucket_cap_mb=0.0002,
+        timeout=TIMEOUT,  # several buckets: the norm spans all of them
     )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)
@@ -42,9 +46,13 @@ def _bsp_vs_ddp(rank, world, max_norm, steps=12):
         opt.step()
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
-        norms.append((float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)), opt.stats().grad_norm))
+        norms.append(
+            (float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)), opt.stats().grad_norm)
+        )
         ref_opt.step()
-        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())))
+        worst = max(
+            worst, max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        )
     n_buckets = len(opt.bucket_layouts)
     opt.close()
     return worst, norms, n_buckets
@@ -70,8 +78,9 @@ def _clip_each(rank, world, policy, max_norm):
     import pyasync
 
     p = torch.nn.Parameter(torch.zeros(STEPS * world))
-    opt = pyasync.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), policy=policy, max_grad_norm=max_norm,
-                                       timeout=TIMEOUT)
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), policy=policy, max_grad_norm=max_norm, timeout=TIMEOUT
+    )
     norms = []
     for t in range(STEPS):
         w = torch.zeros_like(p)
@@ -102,8 +111,9 @@ def _amp(rank, world, policy, use_scaler, inf_at):
     import pyasync
 
     model = _model(1)
-    opt = pyasync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy=policy,
-                                       timeout=TIMEOUT)
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), policy=policy, timeout=TIMEOUT
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if use_scaler else None
     g = torch.Generator().manual_seed(7 + rank)
     scales = []
@@ -152,12 +162,14 @@ def _unscale_then_clip(rank, world):
     import pyasync
 
     model = _model(2)
-    opt = pyasync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), policy="bsp",
-                                       timeout=TIMEOUT)
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), policy="bsp", timeout=TIMEOUT
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     ref = copy.deepcopy(model)
-    ref_opt = pyasync.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), policy="bsp",
-                                           max_grad_norm=None, timeout=TIMEOUT)
+    ref_opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD(ref.parameters(), lr=0.1), policy="bsp", max_grad_norm=None, timeout=TIMEOUT
+    )
     g = torch.Generator().manual_seed(3 + rank)
     for _ in range(4):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)

@@ -392,7 +392,9 @@ def test_corrupt_header_is_a_clear_error_naming_the_sender():
     # (close() after a failure), so the peer sees its connections end without a goodbye: PeerFailure
     # naming rank 0 (or, had it not stopped, the timeout naming the rank that never closed).
     assert res[1] is not None, "the peer of a failed rank finished as if nothing happened"
-    assert ("PeerFailure" in res[1] and "rank 0 failed" in res[1]) or "not seen worker ranks [0] close" in res[1], res[1]
+    assert (
+        "PeerFailure" in res[1] and "rank 0 failed" in res[1]
+    ) or "not seen worker ranks [0] close" in res[1], res[1]
 
 
 def _subgroup(rank, world):

@@ -7,11 +7,11 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.applier import Applier
-from pyasync.errors import ProtocolError
 from pyasync.engine.messages import Push
 from pyasync.engine.owner import Owner
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
+from pyasync.errors import ProtocolError
 from pyasync.ops._common import Payload
 from pyasync.policy import ASP, BSP, SSP, Quorum
 from pyasync.transport.base import Handle, Transport

@@ -126,7 +126,8 @@ def test_uneven_step_counts_close_together_with_every_push_accounted_for(world_s
             p, applied, dropped, begin, end = r[policy]
             assert torch.equal(p, final), f"{policy}: replicas differ after close()"
             assert applied + dropped == pushes
-            # One bucket: rank r owns one shard, moved by 1/n (BSP, SSP, ASP) or 1/k (Quorum) per applied push.
+            # One bucket: rank r owns one shard, moved by 1/n (BSP, SSP, ASP) or 1/k (Quorum) per applied
+            # push.
             got = final[begin:end]
             assert torch.allclose(got, torch.full_like(got, applied / divisor), rtol=1e-6), (
                 policy,

@@ -3,8 +3,8 @@ processes, no tensors. Each test is an exact event -> actions table for one poli
 
 import pytest
 
-from pyasync.errors import ProtocolError
 from pyasync.engine.round import AggregateRound, Answer, Apply, PushRound, Release, Sum, Update
+from pyasync.errors import ProtocolError
 from pyasync.policy import ASP, BSP, SSP, Quorum
 
 N = 3  # workers

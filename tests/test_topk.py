@@ -6,8 +6,6 @@ non-finite flag. See Note [Top-k selection] in csrc/include/pyasync/math/topk.h.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
 import torch
 
@@ -28,7 +26,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def _run(g: torch.Tensor, r: Optional[torch.Tensor], k: int, mode: str, **kw):
+def _run(g: torch.Tensor, r: torch.Tensor | None, k: int, mode: str, **kw):
     """The kernel under `mode`: "none" (no residual), "out" (separate residual_out) or "inplace".
     Returns (payload, new residual or None); `r` itself is never modified."""
     if mode == "none":
@@ -39,7 +37,7 @@ def _run(g: torch.Tensor, r: Optional[torch.Tensor], k: int, mode: str, **kw):
     return p, r_out
 
 
-def _check(g: torch.Tensor, r: Optional[torch.Tensor], k: int, mode: str = "inplace", ref=None, **kw):
+def _check(g: torch.Tensor, r: torch.Tensor | None, k: int, mode: str = "inplace", ref=None, **kw):
     """Kernel == reference exactly (ref: a precomputed reference result); returns the kernel's
     (payload, residual)."""
     if ref is None:

@@ -32,7 +32,9 @@ def _exchange(rank, world):
             for _ in range(world - 1):
                 src = tr.recv_any(buf, flow)
                 n = (1000 + src * 10 + rank) * 4
-                got[(flow, src)] = torch.equal(buf[:n].view(torch.int32), torch.arange(n // 4, dtype=torch.int32))
+                got[(flow, src)] = torch.equal(
+                    buf[:n].view(torch.int32), torch.arange(n // 4, dtype=torch.int32)
+                )
         big = torch.randint(0, 255, (6 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
         if rank == 0:
             tr.send(big, 1, "push")  # larger than the socket buffers: the receiver drains it while it is sent

@@ -239,15 +239,31 @@ def test_frames_carry_header_and_payload_in_one_buffer():
         wire.frame_body(buf[: frame.numel() - 1], got)
     with pytest.raises(WireError, match="at least"):
         wire.frame_header(buf[:100], 0)
-    r = wire.pack_reply(torch.arange(5, dtype=torch.float32), [1, 2], header=wire.Header(
-        kind=wire.REPLY, sender=2, clock=1, version=3, bucket=0, shard=2, codec=0, numel=5, nbytes=0, count=2))
+    r = wire.pack_reply(
+        torch.arange(5, dtype=torch.float32),
+        [1, 2],
+        header=wire.Header(
+            kind=wire.REPLY,
+            sender=2,
+            clock=1,
+            version=3,
+            bucket=0,
+            shard=2,
+            codec=0,
+            numel=5,
+            nbytes=0,
+            count=2,
+        ),
+    )
     rh = wire.frame_header(r, 2)
     values, clocks = wire.unpack_reply(wire.frame_body(r, rh), rh)
     assert values.tolist() == [0, 1, 2, 3, 4] and clocks == [1, 2]
 
 
 def test_max_frames_are_the_largest_message_the_layout_allows():
-    spec = wire.WireSpec(1, 3, [[5, 17, 1], [300, 257, 0], [8, 8, 8]], [[1, 2, 1], [3, 4, 0], [1, 1, 1]], "int8", 16)
+    spec = wire.WireSpec(
+        1, 3, [[5, 17, 1], [300, 257, 0], [8, 8, 8]], [[1, 2, 1], [3, 4, 0], [1, 1, 1]], "int8", 16
+    )
     assert spec.max_push_frame() == wire.HEADER_BYTES + max(
         wire.push_parts("int8", n, 16, 0, m)[1] for n, m in [(17, 2), (257, 4), (8, 1)]
     )

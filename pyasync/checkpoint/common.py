@@ -131,7 +131,7 @@ def collective(opt: DistributedOptimizer, what: str, fn, *args, **kwargs):
     CheckpointError that names the rank that died when the transport saw it."""
     try:
         return fn(*args, group=opt.collective_group, **kwargs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         err = collective_failure(e, opt.engine.transport, what)
         raise CheckpointError(f"{what} failed: {err}; nothing was committed or loaded by this call") from err
 

@@ -76,7 +76,9 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     mine = torch.tensor([status, _sid_int(sid) if sid else 0], dtype=torch.int64)
     flags = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        collective(opt, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine)
+        collective(
+            opt, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine
+        )
     else:
         flags = [mine]
     bad = [r for r in range(world) if int(flags[r][0]) != OK]

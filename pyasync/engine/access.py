@@ -18,14 +18,18 @@ from pyasync.ops import bucketing as ops_bucketing
 __all__ = ["ShardAccess", "initial_masters"]
 
 
-def initial_masters(params: list[torch.Tensor], layouts: list[BucketLayout], rank: int) -> dict[int, torch.Tensor]:
+def initial_masters(
+    params: list[torch.Tensor], layouts: list[BucketLayout], rank: int
+) -> dict[int, torch.Tensor]:
     """The fp32 master values of this rank's shards, from the current (agreed, broadcast) parameters."""
     out = {}
     for b, lay in enumerate(layouts):
         sh = lay.shards[rank]
         if sh.numel > 0:
             flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
-            ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
+            ops_bucketing.flatten(
+                [params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels
+            )
             out[b] = flat[sh.begin : sh.end].clone()
     return out
 
@@ -78,7 +82,8 @@ class ShardAccess:
                 where = f"state_dict['shards']['{b}']"
                 if d["master"].numel() != sh.state.master.numel():
                     raise ValueError(
-                        f"{where}['master'] has {d['master'].numel()} elements, expected {sh.state.master.numel()}"
+                        f"{where}['master'] has {d['master'].numel()} elements, "
+                        f"expected {sh.state.master.numel()}"
                     )
                 self.rule.load_state_tensors(sh.state, d["optim"], where + "['optim']")
                 sh.state.master.copy_(d["master"].reshape(-1))
@@ -90,8 +95,9 @@ class ShardAccess:
         """Copies of the master values of this rank's shards, {bucket: values}."""
         self.require_open("masters()")
         out: dict[int, torch.Tensor] = {}
-        for part in self.owner.call(lambda ap: {b: sh.state.master.clone() for b, sh in ap.shards.items()},
-                                    self.timeout):
+        for part in self.owner.call(
+            lambda ap: {b: sh.state.master.clone() for b, sh in ap.shards.items()}, self.timeout
+        ):
             out.update(part)
         return out
 
@@ -100,5 +106,9 @@ class ShardAccess:
         with torch.no_grad():
             for (b, r), v in values.items():
                 lay = self.layouts[b]
-                ops_bucketing.unflatten(v.reshape(-1).to(self.params[0].device), [self.params[p].data for p in lay.params],
-                                        lay.offsets, begin=lay.shards[r].begin)
+                ops_bucketing.unflatten(
+                    v.reshape(-1).to(self.params[0].device),
+                    [self.params[p].data for p in lay.params],
+                    lay.offsets,
+                    begin=lay.shards[r].begin,
+                )

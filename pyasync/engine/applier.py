@@ -60,8 +60,10 @@ class Applier(threading.Thread):
                 msg = self.q.get()
                 if isinstance(msg, Push):
                     sh = self.shards[msg.bucket]
-                    self._do(sh, sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite,
-                                               msg.mask, msg))
+                    self._do(
+                        sh,
+                        sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite, msg.mask, msg),
+                    )
                     self.owner.progressed()
                 elif isinstance(msg, Close):
                     for sh in self.shards.values():
@@ -79,7 +81,7 @@ class Applier(threading.Thread):
                 elif isinstance(msg, Call):
                     try:
                         msg.result.set(msg.fn(self))
-                    except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                    except BaseException as e:
                         msg.result.fail(e)
                 elif isinstance(msg, Stop):
                     if msg.timeout is not None:  # None: stopped after a failure, nothing to wait for
@@ -87,7 +89,7 @@ class Applier(threading.Thread):
                     return
                 else:
                     raise TypeError(f"applier got an unknown message {type(msg).__name__}")
-        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+        except BaseException as e:
             self.owner.fail(f"applier thread {self.name}", e)
 
     # -- actions ------------------------------------------------------------------------------------
@@ -120,8 +122,13 @@ class Applier(threading.Thread):
 
     def _apply(self, sh: OwnedShard, push: Push, lr_factor: float) -> None:
         self._ready(sh, push)
-        self.rule.apply(sh.state, payload=push.payload, grad_scale=1.0 / self.n, seg_mask=list(push.mask),
-                        lr_factor=lr_factor)
+        self.rule.apply(
+            sh.state,
+            payload=push.payload,
+            grad_scale=1.0 / self.n,
+            seg_mask=list(push.mask),
+            lr_factor=lr_factor,
+        )
         self.owner.release(push)
 
     def _sum(self, sh: OwnedShard, push: Push) -> None:

@@ -50,7 +50,9 @@ def check_grads(params: list[torch.Tensor], names: list[str]) -> None:
                 "bfloat16 gradients"
             )
         if g.device != p.device:
-            raise ValueError(f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}")
+            raise ValueError(
+                f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}"
+            )
 
 
 def grad_stamp(g: torch.Tensor | None) -> tuple[object, int]:

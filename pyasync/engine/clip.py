@@ -51,14 +51,24 @@ class ClipGate:
         """Owned buckets whose oldest open version has not reported (for error messages)."""
         with self.lock:
             v = min(self.parts, default=None)
-            return sorted(self.buckets - set(self.parts.get(v, {}))) if v is not None else sorted(self.buckets)
+            return (
+                sorted(self.buckets - set(self.parts.get(v, {}))) if v is not None else sorted(self.buckets)
+            )
 
 
 class MeanClip:
     """The training thread's side of the gate: wait for this rank's norms, agree with the others, release."""
 
-    def __init__(self, gate: ClipGate, group, transport, max_norm: float, timeout: datetime.timedelta,
-                 progress: Callable[[], int], release: Callable[[int, float], None]) -> None:
+    def __init__(
+        self,
+        gate: ClipGate,
+        group,
+        transport,
+        max_norm: float,
+        timeout: datetime.timedelta,
+        progress: Callable[[], int],
+        release: Callable[[int, float], None],
+    ) -> None:
         self.gate, self.group, self.transport = gate, group, transport
         self.max_norm, self.timeout, self.progress, self.release = max_norm, timeout, progress, release
 
@@ -68,9 +78,12 @@ class MeanClip:
     def wait(self, cond: threading.Condition, error) -> float:
         """Wait (``cond`` held) until every owned shard reported a version; the seconds waited."""
         return wait_until(
-            cond, self.ready, self.timeout,
+            cond,
+            self.ready,
+            self.timeout,
             lambda: f"every worker's push to complete the rounds of buckets {self.gate.missing()}",
-            error, progress=self.progress,
+            error,
+            progress=self.progress,
         )
 
     def run(self) -> float:
@@ -79,7 +92,7 @@ class MeanClip:
         total = torch.tensor([self.gate.take(v)], dtype=torch.float64)
         try:
             dist.all_reduce(total, group=self.group)
-        except Exception as e:  # noqa: BLE001 - a dead or stalled peer: name it when the transport saw it
+        except Exception as e:
             raise collective_failure(e, self.transport, "the gradient norm's all-reduce") from e
         norm = math.sqrt(float(total))
         coef = min(1.0, self.max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0

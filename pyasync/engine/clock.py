@@ -32,8 +32,10 @@ def as_raised(err: BaseException) -> BaseException:
     if isinstance(err, PeerFailure):
         out: BaseException = PeerFailure(str(err), err.ranks)
     elif isinstance(err, TimeoutError):
-        out = TimeoutError(f"{err} (an earlier wait timed out: the optimizer cannot go on; close() it and resume "
-                           "from a checkpoint)")
+        out = TimeoutError(
+            f"{err} (an earlier wait timed out: the optimizer cannot go on; close() it and resume "
+            "from a checkpoint)"
+        )
     else:
         out = EngineError(f"pyasync engine failed: {err}")
     out.__cause__ = err

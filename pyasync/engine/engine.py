@@ -100,20 +100,61 @@ class Engine:
         self.nonfinite_logged = False
         self.resumes = 0  # pauses ended: RESUMEs every owner expects
         keys = [(b, r) for b, lay in enumerate(layouts) for r in range(world_size) if lay.shards[r].numel > 0]
-        self.mailbox = Mailbox(rank=rank, params=params, layouts=layouts, keys=keys, spec=spec,
-                               transport=transport, cond=self.cond, fail=self.fail)
-        self.owner = Owner(rank=rank, world_size=world_size, layouts=layouts, masters=initial_masters(params, layouts, rank),
-                           policy=policy, rule=rule, transport=transport, spec=spec,
-                           deliver_local=self.mailbox.deliver, fail=self.fail, num_appliers=num_appliers,
-                           timeout=timeout, gated=self.gated, notify=self._notify)
-        self.pusher = Pusher(rank=rank, world_size=world_size, layouts=layouts, compressor=compressor,
-                             transport=transport, owner=self.owner, device=self.device, timeout=timeout,
-                             committed=self._committed, nonfinite=self._on_nonfinite, fail=self.fail,
-                             clip_each_push=max_grad_norm is not None and not self.gated,
-                             send_early=grad_edits == "forbid")
+        self.mailbox = Mailbox(
+            rank=rank,
+            params=params,
+            layouts=layouts,
+            keys=keys,
+            spec=spec,
+            transport=transport,
+            cond=self.cond,
+            fail=self.fail,
+        )
+        self.owner = Owner(
+            rank=rank,
+            world_size=world_size,
+            layouts=layouts,
+            masters=initial_masters(params, layouts, rank),
+            policy=policy,
+            rule=rule,
+            transport=transport,
+            spec=spec,
+            deliver_local=self.mailbox.deliver,
+            fail=self.fail,
+            num_appliers=num_appliers,
+            timeout=timeout,
+            gated=self.gated,
+            notify=self._notify,
+        )
+        self.pusher = Pusher(
+            rank=rank,
+            world_size=world_size,
+            layouts=layouts,
+            compressor=compressor,
+            transport=transport,
+            owner=self.owner,
+            device=self.device,
+            timeout=timeout,
+            committed=self._committed,
+            nonfinite=self._on_nonfinite,
+            fail=self.fail,
+            clip_each_push=max_grad_norm is not None and not self.gated,
+            send_early=grad_edits == "forbid",
+        )
         self.capture = Capture(params, layouts, self.cond, self._hand_over)
-        self.clip = MeanClip(self.owner.gate, control, transport, max_grad_norm, timeout,
-                             self.owner.processed_total, self.owner.release_gate) if self.gated else None
+        self.clip = (
+            MeanClip(
+                self.owner.gate,
+                control,
+                transport,
+                max_grad_norm,
+                timeout,
+                self.owner.processed_total,
+                self.owner.release_gate,
+            )
+            if self.gated
+            else None
+        )
         self.shards = ShardAccess(self.owner, rule, layouts, params, rank, timeout, self._require_open)
         self.owner.start()
         self.pusher.start()
@@ -168,7 +209,10 @@ class Engine:
     def _nonfinite_text(self, b: int, clock: int) -> str:
         names = [self.names[p] for p in self.layouts[b].params]
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-        return f"non-finite gradient (NaN or Inf) in bucket {b} at step {clock} on rank {self.rank} (parameters: {shown})"
+        return (
+            f"non-finite gradient (NaN or Inf) in bucket {b} at step {clock} on rank {self.rank} "
+            f"(parameters: {shown})"
+        )
 
     def _on_nonfinite(self, b: int, clock: int) -> None:
         """A shard of bucket b held NaN/Inf (push thread): the owners skip that push. Log once per rank;
@@ -219,7 +263,9 @@ class Engine:
         self.check()
         if self.in_flight is not None:
             self._finish(self.in_flight)
-        check_grads(self.params, self.names)  # before anything is sent: a bad gradient is the caller's error, not a failure
+        check_grads(
+            self.params, self.names
+        )  # before anything is sent: a bad gradient is the caller's error, not a failure
         t = self.clock
         with self.cond:
             self.capture.flush()
@@ -227,18 +273,24 @@ class Engine:
         if self.grad_edits == "forbid" and (changed or grad_scale is not None or found_inf):
             names = sorted({self.names[p] for b in changed for p in self.layouts[b].params})[:8]
             err = RuntimeError(
-                f"pyasync: gradients changed after backward() (parameters {names}) or a GradScaler is in use, "
+                f"pyasync: gradients changed after backward() (parameters {names}) or a GradScaler is in "
+                "use, "
                 "but grad_edits='forbid' sent them while backward ran; the step is lost. Use "
                 "grad_edits='detect' (the default) to edit gradients between backward() and step()"
             )
             self._sticky(err)
             raise err
         regrab = {
-            b: [None if self.params[p].grad is None else _dense(self.params[p].grad) for p in self.layouts[b].params]
+            b: [
+                None if self.params[p].grad is None else _dense(self.params[p].grad)
+                for p in self.layouts[b].params
+            ]
             for b in changed
         }
         scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-        self.pusher.q.put(Commit(t, regrab, scale, self.max_norm_each(), bool(found_inf), record_event(self.device)))
+        self.pusher.q.put(
+            Commit(t, regrab, scale, self.max_norm_each(), bool(found_inf), record_event(self.device))
+        )
         self.in_flight = t
         self._finish(t)
 
@@ -248,8 +300,11 @@ class Engine:
         try:
             with self.cond:
                 self.wait_seconds += wait_until(
-                    self.cond, lambda: self.committed >= t, self.timeout,
-                    lambda: f"the push thread to send the pushes of step {t}", self._err,
+                    self.cond,
+                    lambda: self.committed >= t,
+                    self.timeout,
+                    lambda: f"the push thread to send the pushes of step {t}",
+                    self._err,
                 )
             if self.clip is not None and self.gated_done < t:
                 with self.cond:
@@ -259,8 +314,11 @@ class Engine:
             if self.policy.worker_waits:
                 with self.cond:
                     self.wait_seconds += wait_until(
-                        self.cond, lambda: self.mailbox.all_answered(t), self.timeout,
-                        lambda: self._missing_answers(t), self._err,
+                        self.cond,
+                        lambda: self.mailbox.all_answered(t),
+                        self.timeout,
+                        lambda: self._missing_answers(t),
+                        self._err,
                     )
         except PeerFailure as e:
             self._sticky(e)
@@ -274,7 +332,8 @@ class Engine:
         self.mailbox.install()
         if bad and self.on_nonfinite == "raise":
             raise NonFiniteGradientError(
-                "pyasync: " + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
+                "pyasync: "
+                + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
                 + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
                 "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
             )
@@ -306,7 +365,9 @@ class Engine:
     # -- state (between steps) ----------------------------------------------------------------------
     def _require_open(self, what: str) -> None:
         if self.closed:
-            raise RuntimeError(f"{what} after close(): the optimizer's threads are stopped; call it before close()")
+            raise RuntimeError(
+                f"{what} after close(): the optimizer's threads are stopped; call it before close()"
+            )
         self.check()
 
     def drain(self, want: list[int]) -> None:
@@ -339,7 +400,10 @@ class Engine:
                     self.wait_seconds += wait_until(
                         self.cond,
                         lambda: self.mailbox.all_final() or (self.clip is not None and self.clip.ready()),
-                        self.timeout, self._missing_finals, self._err, progress=self._progress,
+                        self.timeout,
+                        self._missing_finals,
+                        self._err,
+                        progress=self._progress,
                     )
                     done = self.mailbox.all_final()
                 if done:
@@ -389,4 +453,6 @@ class Engine:
             return dict(self.mailbox.installed_version)
 
     def stats(self) -> Stats:
-        return collect_stats(self.clock, self.mailbox, self.owner, self.pusher, self.wait_seconds, self.grad_norm)
+        return collect_stats(
+            self.clock, self.mailbox, self.owner, self.pusher, self.wait_seconds, self.grad_norm
+        )

@@ -113,7 +113,7 @@ class Mailbox:
                     expected_finals.discard((h.bucket, h.shard))
         except TransportClosed:
             return  # stopped on purpose (close after a failure)
-        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+        except BaseException as e:
             self.fail("worker reply receiver thread", e)
 
     # -- queries (caller holds cond) ----------------------------------------------------------------
@@ -138,7 +138,9 @@ class Mailbox:
     def install(self, final: bool = False) -> None:
         """Install the newest values received for every shard (all of them when final)."""
         with self.cond:
-            todo = [(k, rep) for k, rep in self.box.items() if final or rep.version != self.installed_version[k]]
+            todo = [
+                (k, rep) for k, rep in self.box.items() if final or rep.version != self.installed_version[k]
+            ]
             self.reading = [rep for _, rep in todo]  # their buffers stay out of the pool meanwhile
         try:
             with torch.no_grad():
@@ -147,11 +149,15 @@ class Mailbox:
                     wait_event(rep.event, self.device)
                     used_here([rep.values], self.device)
                     (values,), _ = (
-                        self.transport.land([rep.values], self.device) if self.transport is not None
+                        self.transport.land([rep.values], self.device)
+                        if self.transport is not None
                         else ([rep.values], False)
                     )
                     ops_bucketing.unflatten(
-                        values, [self.params[p].data for p in lay.params], lay.offsets, begin=lay.shards[r].begin
+                        values,
+                        [self.params[p].data for p in lay.params],
+                        lay.offsets,
+                        begin=lay.shards[r].begin,
                     )
                     self.installed_version[(b, r)] = rep.version
                     self.installed_clocks[(b, r)] = list(rep.clocks)

@@ -27,10 +27,10 @@ _generation = itertools.count()  # joins made by this process (the same sequence
 def store():
     """The job's store (the one torch.distributed was initialised with), or None when unavailable."""
     try:
-        from torch.distributed.distributed_c10d import _get_default_store  # noqa: PLC0415
+        from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:  # noqa: BLE001 - an older or newer torch: fall back to collectives
+    except Exception:
         return None
 
 
@@ -55,7 +55,7 @@ def join(group, timeout: datetime.timedelta, what: str) -> None:
     st.set(keys[ranks.index(dist.get_rank())], "1")
     try:
         st.wait(keys, timeout)
-    except Exception as e:  # noqa: BLE001 - a store timeout: find out who is missing
+    except Exception as e:
         missing = [r for r, k in enumerate(keys) if not st.check([k])]
         raise PeerFailure(
             f"pyasync: ranks {missing} did not reach {what} within {timeout.total_seconds():g} s "
@@ -69,10 +69,17 @@ def control_group(group, timeout: datetime.timedelta):
     the optimizer runs its own collectives there (agreement, broadcast, barrier, checkpoints), so they
     never wait the user group's timeout and never mix with the user's collectives."""
     ranks = _global_ranks(group)
-    g = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                       use_local_synchronization=group is not None, sort_ranks=False)
+    g = dist.new_group(
+        ranks=ranks,
+        backend="gloo",
+        timeout=timeout,
+        use_local_synchronization=group is not None,
+        sort_ranks=False,
+    )
     if dist.get_rank(g) != dist.get_rank(group):
-        raise RuntimeError(f"private group rank {dist.get_rank(g)} != process_group rank {dist.get_rank(group)}")
+        raise RuntimeError(
+            f"private group rank {dist.get_rank(g)} != process_group rank {dist.get_rank(group)}"
+        )
     return g
 
 

@@ -160,4 +160,3 @@ class Result:
         if self._error is not None:
             raise self._error
         return self._value
-

@@ -68,8 +68,12 @@ class Intake:
         self.cond = threading.Condition()
         self.closed = False
 
-    def take(self, timeout: datetime.timedelta | None = None, progress: Callable[[], int] | None = None,
-             what: str = "") -> None:
+    def take(
+        self,
+        timeout: datetime.timedelta | None = None,
+        progress: Callable[[], int] | None = None,
+        what: str = "",
+    ) -> None:
         with self.cond:
             seen = progress() if progress is not None else 0
             deadline = None if timeout is None else _time() + timeout.total_seconds()
@@ -169,8 +173,9 @@ class Owner:
     def local_push(self, b: int, clock: int, version: int, payload: Payload, mask: list[bool], event) -> None:
         """Queue this rank's own push for its applier, waiting while ``local_intake.limit`` of them are
         queued (at most the timeout without one being consumed)."""
-        self.local_intake.take(self.timeout, self.processed_total,
-                               f"rank {self.rank}'s own appliers took none of its pushes")
+        self.local_intake.take(
+            self.timeout, self.processed_total, f"rank {self.rank}'s own appliers took none of its pushes"
+        )
         self.route[b].q.put(Push(b, self.rank, clock, version, payload, tuple(mask), None, event))
 
     def processed_total(self) -> int:
@@ -262,17 +267,37 @@ class Owner:
             values, clocks_v, nbytes = fr.views
             values.copy_(master)
             clocks_v.copy_(clocks)
-            h = wire.Header(kind=wire.REPLY, sender=self.rank, clock=c, version=rnd.version, bucket=sh.bucket,
-                            shard=self.rank, codec=0, numel=master.numel(), nbytes=0,
-                            flags=wire.FLAG_FINAL if final else 0, count=self.n)
+            h = wire.Header(
+                kind=wire.REPLY,
+                sender=self.rank,
+                clock=c,
+                version=rnd.version,
+                bucket=sh.bucket,
+                shard=self.rank,
+                codec=0,
+                numel=master.numel(),
+                nbytes=0,
+                flags=wire.FLAG_FINAL if final else 0,
+                count=self.n,
+            )
             wire.seal(fr.buf, h, nbytes)
             self.transport.send_frame(fr, w, "reply")
             ap.bytes_sent += wire.HEADER_BYTES + nbytes
         local = [c for w, c in dests if w == self.rank]
         if local:
             values = master.clone()
-            self.deliver_local(Reply(sh.bucket, self.rank, rnd.version, local[0], values, clocks.tolist(), final,
-                                     event=record_event(values.device)))
+            self.deliver_local(
+                Reply(
+                    sh.bucket,
+                    self.rank,
+                    rnd.version,
+                    local[0],
+                    values,
+                    clocks.tolist(),
+                    final,
+                    event=record_event(values.device),
+                )
+            )
 
     # -- receiver thread ------------------------------------------------------------------------------
     def _recv_loop(self) -> None:
@@ -311,13 +336,14 @@ class Owner:
                 if copied:
                     self.push_pool.put(frame)
                     frame = None
-                payload = Payload(payload.codec, payload.n, codes, scales, indices, payload.k, payload.block,
-                                  payload.finite)
+                payload = Payload(
+                    payload.codec, payload.n, codes, scales, indices, payload.k, payload.block, payload.finite
+                )
                 mask_t = tuple(bool(m) for m in mask.tolist())
                 self.route[h.bucket].q.put(Push(h.bucket, src, h.clock, h.version, payload, mask_t, frame))
         except (TransportClosed, PoolClosed):
             return  # stopped on purpose (close after a failure)
-        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+        except BaseException as e:
             self.fail("owner receiver thread", e)
 
     # -- waiting on the owner (main thread) -----------------------------------------------------------

@@ -117,7 +117,7 @@ class Pusher(threading.Thread):
                     raise TypeError(f"push thread got an unknown message {type(msg).__name__}")
         except (TransportClosed, PoolClosed):
             return  # stopped on purpose (close after a failure)
-        except BaseException as e:  # noqa: BLE001 - recorded; every wait of the engine raises it
+        except BaseException as e:
             self._fail("push thread", e)
 
     # -- encoding -----------------------------------------------------------------------------------
@@ -176,7 +176,8 @@ class Pusher(threading.Thread):
         encoded = {b: e for b, e in self.encoded.items() if e.clock == msg.clock}
         if len(encoded) != len(self.layouts):
             raise RuntimeError(
-                f"step {msg.clock}: {len(self.layouts) - len(encoded)} buckets were never encoded (internal error)"
+                f"step {msg.clock}: {len(self.layouts) - len(encoded)} buckets were never encoded "
+                "(internal error)"
             )
         if self.send_early:
             if msg.regrab or msg.scale != 1.0 or msg.skip:
@@ -229,9 +230,21 @@ class Pusher(threading.Thread):
             fr, (codec, block, k, mask_len, body), payload = e.remote[r]
             finite = payload.finite and not skip
             self._count(b, e.clock, sh.numel, payload, skip)
-            h = wire.Header(kind=wire.PUSH, sender=self.rank, clock=e.clock, version=e.versions[r], bucket=b,
-                            shard=r, codec=wire.CODEC_IDS[codec], numel=sh.numel, nbytes=0, k=k, block=block,
-                            flags=wire.FLAG_FINITE if finite else 0, count=mask_len)
+            h = wire.Header(
+                kind=wire.PUSH,
+                sender=self.rank,
+                clock=e.clock,
+                version=e.versions[r],
+                bucket=b,
+                shard=r,
+                codec=wire.CODEC_IDS[codec],
+                numel=sh.numel,
+                nbytes=0,
+                k=k,
+                block=block,
+                flags=wire.FLAG_FINITE if finite else 0,
+                count=mask_len,
+            )
             wire.seal(fr.buf, h, body)
             self.transport.send_frame(fr, r, "push")
             self.bytes_sent += wire.HEADER_BYTES + body
@@ -256,8 +269,17 @@ class Pusher(threading.Thread):
             if r == self.rank:
                 continue
             fr = self._ring(("ctl", r), wire.HEADER_BYTES).take(self.timeout)
-            h = wire.Header(kind=msg.kind, sender=self.rank, clock=msg.clock, version=0, bucket=0, shard=r,
-                            codec=0, numel=0, nbytes=0)
+            h = wire.Header(
+                kind=msg.kind,
+                sender=self.rank,
+                clock=msg.clock,
+                version=0,
+                bucket=0,
+                shard=r,
+                codec=0,
+                numel=0,
+                nbytes=0,
+            )
             wire.seal(fr.buf, h, 0)
             self.transport.send_frame(fr, r, "push")
             self.bytes_sent += wire.HEADER_BYTES

@@ -42,8 +42,18 @@ from typing import Any
 
 from pyasync.errors import ProtocolError
 
-__all__ = ["Action", "AggregateRound", "Answer", "Apply", "Gate", "PushRound", "Release", "Round", "Sum",
-           "Update"]
+__all__ = [
+    "Action",
+    "AggregateRound",
+    "Answer",
+    "Apply",
+    "Gate",
+    "PushRound",
+    "Release",
+    "Round",
+    "Sum",
+    "Update",
+]
 
 
 # -- actions -----------------------------------------------------------------------------------------
@@ -233,8 +243,9 @@ class Round:
                 f"only at version {self.version}"
             )
         if len(mask) != self.n_segments:
-            raise ProtocolError(f"PUSH from rank {w} for bucket {b} has {len(mask)} mask entries, "
-                                f"expected {self.n_segments}")
+            raise ProtocolError(
+                f"PUSH from rank {w} for bucket {b} has {len(mask)} mask entries, expected {self.n_segments}"
+            )
 
 
 class PushRound(Round):
@@ -268,7 +279,11 @@ class PushRound(Round):
 
     def missing(self, clock: int) -> list[int]:
         inc = self.included
-        return [w for w in range(self.n) if not self.closed[w] and not self.policy.answer_now(clock, [inc[w]], [False])]
+        return [
+            w
+            for w in range(self.n)
+            if not self.closed[w] and not self.policy.answer_now(clock, [inc[w]], [False])
+        ]
 
 
 class AggregateRound(Round):
@@ -352,12 +367,18 @@ class AggregateRound(Round):
     def _maybe_update(self, force: bool = False) -> list:
         if self.parked is not None:
             return []  # the last aggregate still waits for its gate
-        if not force and not (self.pushers and self.policy.update_ready(self.pushers, self._absent(), self.n)):
+        if not force and not (
+            self.pushers and self.policy.update_ready(self.pushers, self._absent(), self.n)
+        ):
             return []
         out = self._sum_in_order(flush=True)
         self.next = 0
-        done = (tuple(self.mask) if self.fresh or self.fold_stale else None, tuple(sorted(self.pending.items())),
-                self.fresh, self.fold_stale)
+        done = (
+            tuple(self.mask) if self.fresh or self.fold_stale else None,
+            tuple(sorted(self.pending.items())),
+            self.fresh,
+            self.fold_stale,
+        )
         self.mask = [False] * self.n_segments
         self.pushers, self.fresh, self.fold_stale = set(), 0, []
         self.pending.clear()

@@ -233,7 +233,7 @@ class UpdateRule:
         if s.state2 is not None:
             out["state2"] = s.state2
         if s.generic is not None:
-            for j, (i, v) in enumerate(s.generic_views):
+            for _j, (i, v) in enumerate(s.generic_views):
                 for k, t in s.generic.state.get(v, {}).items():
                     if isinstance(t, torch.Tensor):
                         out[f"generic.{i}.{k}"] = t

@@ -4,3 +4,5 @@ Every op has a pure-torch twin in :mod:`pyasync.reference` with the same signatu
 """
 
 from pyasync.ops._common import CODEC_IDS, Payload
+
+__all__ = ["CODEC_IDS", "Payload"]

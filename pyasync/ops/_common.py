@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -54,8 +53,8 @@ class Payload:
     codec: str
     n: int
     codes: torch.Tensor
-    scales: Optional[torch.Tensor] = None
-    indices: Optional[torch.Tensor] = None
+    scales: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
     k: int = 0
     block: int = 0
     finite: bool = True  # False when the encoded gradient held NaN/Inf (the push must not be applied)
@@ -78,7 +77,7 @@ class Payload:
         return [t for t in (self.codes, self.scales, self.indices) if t is not None]
 
 
-def addr(t: Optional[torch.Tensor]) -> int:
+def addr(t: torch.Tensor | None) -> int:
     """Raw address of a tensor's first element, 0 for None."""
     return 0 if t is None else t.data_ptr()
 
@@ -87,10 +86,10 @@ def check_tensor(
     name: str,
     t: torch.Tensor,
     *,
-    dtype: Optional[torch.dtype] = None,
-    dtypes: Optional[tuple] = None,
-    device: Optional[torch.device] = None,
-    numel: Optional[int] = None,
+    dtype: torch.dtype | None = None,
+    dtypes: tuple | None = None,
+    device: torch.device | None = None,
+    numel: int | None = None,
 ) -> None:
     """Raise TypeError/ValueError naming `name` unless t is a contiguous tensor of the given kind."""
     if not isinstance(t, torch.Tensor):
@@ -109,7 +108,7 @@ def check_tensor(
         raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
 
 
-def check_num_threads(num_threads: Optional[int]) -> int:
+def check_num_threads(num_threads: int | None) -> int:
     if num_threads is None:
         return 0
     if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 0:

@@ -11,8 +11,6 @@ place; on CUDA the kernel runs on the current stream. The pure-torch twin is
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pyasync._validate import check_bool, check_real, overlaps
@@ -25,19 +23,21 @@ __all__ = ["adam_apply", "sgd_apply"]
 # Validation (shared with pyasync.reference.apply, so both accept exactly the same arguments)
 
 
-def _check_shard(name: str, t: object, device: Optional[torch.device], n: Optional[int]) -> None:
+def _check_shard(name: str, t: object, device: torch.device | None, n: int | None) -> None:
     check_tensor(name, t, dtype=torch.float32, device=device, numel=n)
     if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D (a flat fp32 shard), got shape {tuple(t.shape)}; pass .view(-1)")
+        raise ValueError(
+            f"{name} must be 1-D (a flat fp32 shard), got shape {tuple(t.shape)}; pass .view(-1)"
+        )
 
 
 def check_gradient(
     param: torch.Tensor,
-    payload: Optional[Payload],
+    payload: Payload | None,
     grad_scale: float,
-    dense: Optional[torch.Tensor],
+    dense: torch.Tensor | None,
     dense_scale: float,
-    scratch: Optional[torch.Tensor],
+    scratch: torch.Tensor | None,
     state: dict,
 ) -> None:
     """Validate the shard, the gradient terms and the optimizer state tensors (``state``: name ->
@@ -47,7 +47,7 @@ def check_gradient(
     if payload is None and dense is None:
         raise ValueError("apply needs a gradient: pass payload=, dense= or both")
     if payload is not None:
-        from pyasync.ops.codecs import check_payload  # noqa: PLC0415
+        from pyasync.ops.codecs import check_payload
 
         check_payload(payload, n=n, device=device)
         if not payload.finite:
@@ -70,19 +70,37 @@ def check_gradient(
     if scratch is not None:
         others["scratch"] = scratch
     if payload is not None:
-        others.update({f"payload.{k}": t for k, t in
-                       (("codes", payload.codes), ("scales", payload.scales), ("indices", payload.indices))
-                       if isinstance(t, torch.Tensor)})  # anything else fails check_payload
+        others.update(
+            {
+                f"payload.{k}": t
+                for k, t in (
+                    ("codes", payload.codes),
+                    ("scales", payload.scales),
+                    ("indices", payload.indices),
+                )
+                if isinstance(t, torch.Tensor)
+            }
+        )  # anything else fails check_payload
     for wname, w in written.items():
         for oname, o in others.items():
             if oname != wname and overlaps(w, o):
-                raise ValueError(f"{wname} and {oname} share memory; every state tensor needs its own storage")
+                raise ValueError(
+                    f"{wname} and {oname} share memory; every state tensor needs its own storage"
+                )
     if scratch is not None and dense is not None and overlaps(scratch, dense):
         raise ValueError("scratch and dense share memory; pass a separate scratch buffer")
 
 
-def check_sgd(lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float,
-              maximize: bool, first_step: bool, momentum_buffer: Optional[torch.Tensor]) -> dict:
+def check_sgd(
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    first_step: bool,
+    momentum_buffer: torch.Tensor | None,
+) -> dict:
     """Validate the SGD hyperparameters as torch.optim.SGD does; returns the state tensors to check."""
     check_real("lr", lr, lo=0.0)
     check_real("momentum", momentum, lo=0.0)
@@ -95,15 +113,26 @@ def check_sgd(lr: float, momentum: float, dampening: float, nesterov: bool, weig
         raise ValueError("nesterov=True requires momentum > 0 and dampening == 0 (as torch.optim.SGD)")
     if momentum != 0:
         if momentum_buffer is None:
-            raise ValueError("momentum != 0 needs momentum_buffer= (an fp32 tensor like param; "
-                             "pass first_step=True on the first step to initialise it)")
+            raise ValueError(
+                "momentum != 0 needs momentum_buffer= (an fp32 tensor like param; "
+                "pass first_step=True on the first step to initialise it)"
+            )
         return {"momentum_buffer": momentum_buffer}
     return {}
 
 
-def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               decoupled_weight_decay: bool, maximize: bool, step: int,
-               exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
+def check_adam(
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    step: int,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+) -> dict:
     """Validate the Adam/AdamW hyperparameters as torch.optim.Adam does; returns the state tensors."""
     check_real("lr", lr, lo=0.0)
     check_real("beta1", beta1, lo=0.0, hi=1.0)
@@ -113,7 +142,9 @@ def check_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: 
     check_bool("decoupled_weight_decay", decoupled_weight_decay)
     check_bool("maximize", maximize)
     if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int (the 1-based step count after this update), got {type(step).__name__}")
+        raise TypeError(
+            f"step must be an int (the 1-based step count after this update), got {type(step).__name__}"
+        )
     if step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based step count after this update), got {step}")
     return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -130,9 +161,19 @@ def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[floa
 # Launch
 
 
-def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, dense: Optional[torch.Tensor],
-           dense_scale: float, scratch: Optional[torch.Tensor], state1: Optional[torch.Tensor],
-           state2: Optional[torch.Tensor], opt: dict, num_threads: Optional[int], validate: bool = True) -> None:
+def _apply(
+    param: torch.Tensor,
+    payload: Payload | None,
+    grad_scale: float,
+    dense: torch.Tensor | None,
+    dense_scale: float,
+    scratch: torch.Tensor | None,
+    state1: torch.Tensor | None,
+    state2: torch.Tensor | None,
+    opt: dict,
+    num_threads: int | None,
+    validate: bool = True,
+) -> None:
     nt = check_num_threads(num_threads)
     n = param.numel()
     if n == 0:
@@ -140,13 +181,19 @@ def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, d
     if payload is not None and payload.codec == "topk":
         # Scatter first (see Note [Fused apply]): g = dense_scale * dense + grad_scale * topk values,
         # with the same roundings as the inline path, then apply g as a dense gradient.
-        from pyasync.ops.codecs import decode  # noqa: PLC0415
+        from pyasync.ops.codecs import decode
 
         g = scratch if scratch is not None else torch.empty(n, dtype=torch.float32, device=param.device)
         if dense is not None:
             torch.mul(dense.view(-1), float(dense_scale), out=g)
-        decode(payload, out=g, alpha=float(grad_scale), accumulate=dense is not None, num_threads=num_threads,
-               validate=validate)
+        decode(
+            payload,
+            out=g,
+            alpha=float(grad_scale),
+            accumulate=dense is not None,
+            num_threads=num_threads,
+            validate=validate,
+        )
         payload, dense, dense_scale = None, g, 1.0
     codec = payload.codec if payload is not None else "none"
     launch(
@@ -171,9 +218,9 @@ def _apply(param: torch.Tensor, payload: Optional[Payload], grad_scale: float, d
 def sgd_apply(
     param: torch.Tensor,
     *,
-    payload: Optional[Payload] = None,
+    payload: Payload | None = None,
     grad_scale: float = 1.0,
-    dense: Optional[torch.Tensor] = None,
+    dense: torch.Tensor | None = None,
     dense_scale: float = 1.0,
     lr: float,
     momentum: float = 0.0,
@@ -181,10 +228,10 @@ def sgd_apply(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     maximize: bool = False,
-    momentum_buffer: Optional[torch.Tensor] = None,
+    momentum_buffer: torch.Tensor | None = None,
     first_step: bool = False,
-    scratch: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
     validate: bool = True,
 ) -> None:
     """One torch.optim.SGD step on ``param`` in place, from
@@ -214,16 +261,27 @@ def sgd_apply(
         "maximize": maximize,
         "first_step": first_step,
     }
-    _apply(param, payload, grad_scale, dense, dense_scale, scratch, state.get("momentum_buffer"), None, opt,
-           num_threads, validate)
+    _apply(
+        param,
+        payload,
+        grad_scale,
+        dense,
+        dense_scale,
+        scratch,
+        state.get("momentum_buffer"),
+        None,
+        opt,
+        num_threads,
+        validate,
+    )
 
 
 def adam_apply(
     param: torch.Tensor,
     *,
-    payload: Optional[Payload] = None,
+    payload: Payload | None = None,
     grad_scale: float = 1.0,
-    dense: Optional[torch.Tensor] = None,
+    dense: torch.Tensor | None = None,
     dense_scale: float = 1.0,
     lr: float,
     beta1: float = 0.9,
@@ -235,8 +293,8 @@ def adam_apply(
     step: int,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    scratch: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
     validate: bool = True,
 ) -> None:
     """One torch.optim.Adam step (AdamW with ``decoupled_weight_decay=True``; amsgrad=False) on
@@ -248,8 +306,9 @@ def adam_apply(
     the bias corrections are computed from it in double, as torch does.
     exp_avg, exp_avg_sq: n fp32 moment estimates, updated in place (zeros before the first step).
     """
-    state = check_adam(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, step, exp_avg,
-                       exp_avg_sq)
+    state = check_adam(
+        lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, step, exp_avg, exp_avg_sq
+    )
     if validate:
         check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
     step_size, bias_correction2_sqrt = adam_scalars(float(lr), float(beta1), float(beta2), step)
@@ -265,4 +324,16 @@ def adam_apply(
         "step_size": step_size,
         "bias_correction2_sqrt": bias_correction2_sqrt,
     }
-    _apply(param, payload, grad_scale, dense, dense_scale, scratch, exp_avg, exp_avg_sq, opt, num_threads, validate)
+    _apply(
+        param,
+        payload,
+        grad_scale,
+        dense,
+        dense_scale,
+        scratch,
+        exp_avg,
+        exp_avg_sq,
+        opt,
+        num_threads,
+        validate,
+    )

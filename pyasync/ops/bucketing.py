@@ -13,7 +13,7 @@ even) to the destination dtype. All offsets and sizes are in elements, never byt
 from __future__ import annotations
 
 import operator
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -63,7 +63,9 @@ def _check_disjoint(ranges: list[tuple[int, int, int]], what: str) -> None:
         for (s0, e0, i0), (s1, e1, i1) in zip(ranges, ranges[1:]):
             if s1 < e0:
                 a, b = sorted((i0, i1))
-                raise ValueError(f"{what}: tensors {a} and {b} overlap (elements [{s0}, {e0}) and [{s1}, {e1}))")
+                raise ValueError(
+                    f"{what}: tensors {a} and {b} overlap (elements [{s0}, {e0}) and [{s1}, {e1}))"
+                )
 
 
 def _device_test(device: torch.device):
@@ -84,14 +86,14 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 def flatten(
-    tensors: Sequence[Optional[torch.Tensor]],
+    tensors: Sequence[torch.Tensor | None],
     out: torch.Tensor,
     offsets: Sequence[int],
     *,
-    numels: Optional[Sequence[int]] = None,
+    numels: Sequence[int] | None = None,
     scale: float = 1.0,
-    nonfinite: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    nonfinite: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> torch.Tensor:
     """Copy ``tensors`` into the bucket ``out``, multiplying by ``scale`` on the way.
 
@@ -158,12 +160,16 @@ def flatten(
         if given is not None and given[i] != n:
             raise ValueError(f"numels[{i}] is {given[i]} but tensors[{i}] has {n} elements")
         ptr = t.data_ptr() if n > 0 else 0
-        if ptr and ptr < out_hi and out_lo < ptr + n * src_size:
-            if not (t.dtype == out.dtype and ptr == out_lo + offs[i] * dst_size):
-                raise ValueError(
-                    f"tensors[{i}] shares memory with out but is not exactly its own slot at offset "
-                    f"{offs[i]}; copy it first (t.clone())"
-                )
+        if (
+            ptr
+            and ptr < out_hi
+            and out_lo < ptr + n * src_size
+            and not (t.dtype == out.dtype and ptr == out_lo + offs[i] * dst_size)
+        ):
+            raise ValueError(
+                f"tensors[{i}] shares memory with out but is not exactly its own slot at offset "
+                f"{offs[i]}; copy it first (t.clone())"
+            )
         sizes.append(n)
         srcs.append(ptr)
 
@@ -205,7 +211,7 @@ def unflatten(
     offsets: Sequence[int],
     *,
     begin: int = 0,
-    num_threads: Optional[int] = None,
+    num_threads: int | None = None,
 ) -> None:
     """Copy bucket elements back into the tensors they belong to, converting dtypes.
 
@@ -271,7 +277,7 @@ def unflatten(
     # Destinations written in parallel must not alias each other or the source.
     if any(m1[0] < m0[1] for m0, m1 in zip(memory, memory[1:])):  # not already in ascending order
         memory.sort()
-        for (s0, e0, i0), (s1, e1, i1) in zip(memory, memory[1:]):
+        for (_s0, e0, i0), (s1, _e1, i1) in zip(memory, memory[1:]):
             if s1 < e0:
                 a, b = sorted((i0, i1))
                 raise ValueError(f"tensors[{a}] and tensors[{b}] share memory; pass distinct tensors")

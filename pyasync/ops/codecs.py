@@ -17,7 +17,6 @@ Codecs (see ``Codec`` in csrc/include/pyasync/common.h and the Notes in csrc/inc
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
 
 import torch
 
@@ -49,7 +48,7 @@ MAX_BLOCK = 1 << 20  # largest block (elements) accepted: one scale per at most 
 MAX_ELEMENTS = (1 << 31) - 1  # top-k indices are int32; other codecs take any int64 size
 
 
-DeviceLike = Union[torch.device, str, int, None]
+DeviceLike = torch.device | str | int | None
 
 
 def _check_codec(codec: str) -> str:
@@ -107,7 +106,10 @@ def empty_payload(codec: str, n: int, *, device: DeviceLike = "cpu", block: int 
     device = torch.device("cpu" if device is None else device)
     block = _check_block(block) if codec in BLOCK_CODECS else 0
     k = _check_k(k, n) if codec == "topk" else 0
-    t = {name: torch.empty(numel, dtype=dt, device=device) for name, dt, numel in payload_parts(codec, n, block, k)}
+    t = {
+        name: torch.empty(numel, dtype=dt, device=device)
+        for name, dt, numel in payload_parts(codec, n, block, k)
+    }
     return Payload(codec=codec, n=n, k=k, block=block, **t)
 
 
@@ -115,9 +117,9 @@ def check_payload(
     payload: Payload,
     *,
     name: str = "payload",
-    codec: Optional[str] = None,
-    n: Optional[int] = None,
-    device: Optional[torch.device] = None,
+    codec: str | None = None,
+    n: int | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Raise TypeError/ValueError unless `payload` is well formed: a known codec, tensors of the right
     dtype, device, contiguity and size for its n / block / k (and, when given, the expected codec,
@@ -157,13 +159,13 @@ def encode(
     codec: str,
     grad: torch.Tensor,
     *,
-    residual_in: Optional[torch.Tensor] = None,
-    residual_out: Optional[torch.Tensor] = None,
+    residual_in: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
     block: int = 256,
     k: int = 0,
-    out: Optional[Payload] = None,
-    nonfinite: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    out: Payload | None = None,
+    nonfinite: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> Payload:
     """Encode ``v = grad + residual_in`` with `codec`; with error feedback write
     ``residual_out = v - decode(payload)``.
@@ -217,7 +219,7 @@ def encode(
         return out
     workspace, ws_bytes = None, 0
     if codec == "topk" and device.type == "cuda":
-        from pyasync import _ext  # noqa: PLC0415
+        from pyasync import _ext
 
         ws_bytes = int(_ext.C().topk_workspace_bytes(n, k))
         workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
@@ -246,10 +248,10 @@ def encode(
 def decode(
     payload: Payload,
     *,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     alpha: float = 1.0,
     accumulate: bool = False,
-    num_threads: Optional[int] = None,
+    num_threads: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """``out = (out if accumulate else 0) + alpha * decode(payload)``; returns out (n fp32).
@@ -286,7 +288,9 @@ def decode(
     return _launch_decode(payload, out, alpha, accumulate, nt)
 
 
-def _launch_decode(payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool, nt: int) -> torch.Tensor:
+def _launch_decode(
+    payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool, nt: int
+) -> torch.Tensor:
     if payload.n:
         launch(
             "decode",

@@ -7,8 +7,6 @@ CPU, eager torch's vectorised ops do).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pyasync.ops._common import Payload
@@ -19,15 +17,15 @@ __all__ = ["adam_apply", "gradient", "sgd_apply"]
 
 def gradient(
     n: int,
-    payload: Optional[Payload],
+    payload: Payload | None,
     grad_scale: float,
-    dense: Optional[torch.Tensor],
+    dense: torch.Tensor | None,
     dense_scale: float,
 ) -> torch.Tensor:
     """``dense_scale * dense + grad_scale * decode(payload)`` as a new n-element fp32 tensor."""
     g = None
     if payload is not None:
-        from pyasync.reference.codecs import decode  # noqa: PLC0415
+        from pyasync.reference.codecs import decode
 
         g = decode(payload, alpha=grad_scale)
     if dense is not None:
@@ -40,9 +38,9 @@ def gradient(
 def sgd_apply(
     param: torch.Tensor,
     *,
-    payload: Optional[Payload] = None,
+    payload: Payload | None = None,
     grad_scale: float = 1.0,
-    dense: Optional[torch.Tensor] = None,
+    dense: torch.Tensor | None = None,
     dense_scale: float = 1.0,
     lr: float,
     momentum: float = 0.0,
@@ -50,10 +48,10 @@ def sgd_apply(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     maximize: bool = False,
-    momentum_buffer: Optional[torch.Tensor] = None,
+    momentum_buffer: torch.Tensor | None = None,
     first_step: bool = False,
-    scratch: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """Reference of :func:`pyasync.ops.apply.sgd_apply` (scratch and num_threads are accepted and unused)."""
     state = check_sgd(lr, momentum, dampening, nesterov, weight_decay, maximize, first_step, momentum_buffer)
@@ -76,9 +74,9 @@ def sgd_apply(
 def adam_apply(
     param: torch.Tensor,
     *,
-    payload: Optional[Payload] = None,
+    payload: Payload | None = None,
     grad_scale: float = 1.0,
-    dense: Optional[torch.Tensor] = None,
+    dense: torch.Tensor | None = None,
     dense_scale: float = 1.0,
     lr: float,
     beta1: float = 0.9,
@@ -90,8 +88,8 @@ def adam_apply(
     step: int,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    scratch: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """Reference of :func:`pyasync.ops.apply.adam_apply` (scratch and num_threads are accepted and unused)."""
     state = check_adam(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, step, exp_avg,

@@ -7,7 +7,7 @@ to the destination dtype. Only the checks that torch would not make itself are r
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -15,14 +15,14 @@ __all__ = ["flatten", "unflatten"]
 
 
 def flatten(
-    tensors: Sequence[Optional[torch.Tensor]],
+    tensors: Sequence[torch.Tensor | None],
     out: torch.Tensor,
     offsets: Sequence[int],
     *,
-    numels: Optional[Sequence[int]] = None,
+    numels: Sequence[int] | None = None,
     scale: float = 1.0,
-    nonfinite: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
+    nonfinite: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> torch.Tensor:
     """Reference :func:`pyasync.ops.bucketing.flatten`: ``out[o_i : o_i + n_i] = (t_i.float() * scale)``
     converted to ``out.dtype`` (zeros for ``None``); ``nonfinite`` set to 1 if a source holds NaN/Inf.
@@ -51,7 +51,7 @@ def unflatten(
     offsets: Sequence[int],
     *,
     begin: int = 0,
-    num_threads: Optional[int] = None,
+    num_threads: int | None = None,
 ) -> None:
     """Reference :func:`pyasync.ops.bucketing.unflatten`: for every tensor overlapping bucket elements
     ``[begin, begin + src.numel())``, copy the overlapping part of ``src`` into it (converted to its

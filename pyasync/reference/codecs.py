@@ -14,8 +14,6 @@ Decode: out = alpha * d, or out + alpha * d with accumulate (the product rounded
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pyasync.ops._common import Payload
@@ -82,17 +80,17 @@ def encode(
     codec: str,
     grad: torch.Tensor,
     *,
-    residual: Optional[torch.Tensor] = None,
+    residual: torch.Tensor | None = None,
     block: int = 256,
     k: int = 0,
-) -> tuple[Payload, Optional[torch.Tensor]]:
+) -> tuple[Payload, torch.Tensor | None]:
     """Encode ``v = grad + residual`` (1-D fp32, n elements); returns (payload, new residual), the
     new residual None when `residual` is None. block: elements per scale (int8, sign); k: elements
     kept (topk)."""
     if codec not in _CODECS:
         raise ValueError(f"codec must be one of {list(_CODECS)}, got {codec!r}")
     if codec == "topk":
-        from pyasync.reference.topk import topk_encode  # noqa: PLC0415
+        from pyasync.reference.topk import topk_encode
 
         return topk_encode(grad, residual, k)
     n = grad.numel()
@@ -130,7 +128,7 @@ def encode(
 def decode(
     payload: Payload,
     *,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     alpha: float = 1.0,
     accumulate: bool = False,
 ) -> torch.Tensor:

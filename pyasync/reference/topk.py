@@ -5,8 +5,6 @@ See Note [Top-k selection] in csrc/include/pyasync/math/topk.h. Readable eager t
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pyasync.ops._common import Payload
@@ -21,7 +19,9 @@ def topk_key(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(v), bits, torch.zeros_like(bits))
 
 
-def topk_encode(grad: torch.Tensor, residual: Optional[torch.Tensor], k: int) -> tuple[Payload, Optional[torch.Tensor]]:
+def topk_encode(
+    grad: torch.Tensor, residual: torch.Tensor | None, k: int
+) -> tuple[Payload, torch.Tensor | None]:
     """Keep the `k` elements of largest ``|v|``, ``v = grad + residual`` (``v = grad`` without one).
 
     grad: 1-D fp32 (n elements); residual: n fp32 or None (no error feedback); k: kept elements,

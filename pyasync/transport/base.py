@@ -32,7 +32,8 @@ FLOWS = ("push", "reply")
 
 
 class TransportClosed(RuntimeError):
-    """The transport was closed or aborted while a thread waited on it (a normal way for receivers to stop)."""
+    """The transport was closed or aborted while a thread waited on it (a normal way for receivers to
+    stop)."""
 
 
 class Handle(abc.ABC):
@@ -57,7 +58,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
-        """Start sending ``buf`` (a contiguous CPU tensor when ``host_buffers``) to rank ``dst`` on ``flow``."""
+        """Start sending ``buf`` (a contiguous CPU tensor when ``host_buffers``) to rank ``dst`` on
+        ``flow``."""
 
     @abc.abstractmethod
     def recv(
@@ -72,7 +74,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def recv_any(self, buf: torch.Tensor, flow: str) -> int:
-        """Receive into ``buf`` (a message of at most its size) from any rank on ``flow``; returns the sender's rank. Waits up to the
+        """Receive into ``buf`` (a message of at most its size) from any rank on ``flow``; returns the
+        sender's rank. Waits up to the
         transport's idle timeout (receiver threads idle legitimately between steps)."""
 
     @abc.abstractmethod
@@ -115,4 +118,3 @@ class Transport(abc.ABC):
         if all(t is None or t.device == device for t in tensors):
             return list(tensors), False
         return [None if t is None else t.to(device) for t in tensors], True
-

@@ -82,7 +82,9 @@ class FramePool:
     ``limit``, at most that many buffers are out at once: ``get`` waits until one comes back (the
     bounded intake that pushes back on senders, see pyasync/engine/owner.py). Thread-safe."""
 
-    def __init__(self, nbytes: int, keep: int = 8, device: torch.device | str = "cpu", limit: int | None = None) -> None:
+    def __init__(
+        self, nbytes: int, keep: int = 8, device: torch.device | str = "cpu", limit: int | None = None
+    ) -> None:
         self.nbytes = nbytes
         self.keep = keep
         self.limit = limit

@@ -132,7 +132,7 @@ class GlooTransport(Transport):
         for g in self._groups.values():
             try:
                 dist.destroy_process_group(g)
-            except Exception as e:  # noqa: BLE001 - teardown goes on; the default group may be gone
+            except Exception as e:
                 warnings.warn(
                     f"pyasync: could not destroy a private gloo group: {e}", RuntimeWarning, stacklevel=2
                 )

@@ -25,6 +25,7 @@ of this host that reaches ``MASTER_ADDR``, else its hostname's address, else 127
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
@@ -90,8 +91,11 @@ class TcpTransport(Transport):
     ``process_group`` (a gloo group; None: the default group) is used once, to exchange addresses;
     ``timeout`` bounds the set-up and every send and every message once it started arriving."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -148,7 +152,12 @@ class TcpTransport(Transport):
                     ) from None
                 s.settimeout(deadline.left())
                 magic, tok, peer, fi = _HANDSHAKE.unpack(_recv_exact(s, _HANDSHAKE.size))
-                if magic != _MAGIC or tok != token or not 0 <= fi < len(FLOWS) or (peer, FLOWS[fi]) not in expected:
+                if (
+                    magic != _MAGIC
+                    or tok != token
+                    or not 0 <= fi < len(FLOWS)
+                    or (peer, FLOWS[fi]) not in expected
+                ):
                     s.close()  # not one of this job's ranks: ignore it
                     continue
                 expected.discard((peer, FLOWS[fi]))
@@ -162,10 +171,8 @@ class TcpTransport(Transport):
     def _adopt(self, s: socket.socket, peer: int, flow: str) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
+            with contextlib.suppress(OSError):
                 s.setsockopt(socket.SOL_SOCKET, opt, _BUF_BYTES)
-            except OSError:
-                pass
         s.settimeout(self.timeout_s)
         self._socks[flow][peer] = s
         self._locks[(flow, peer)] = threading.Lock()
@@ -192,7 +199,9 @@ class TcpTransport(Transport):
 
     def _probe(self, wait_s: float) -> None:
         """With nobody reading: which connections have ended? (Only valid while no message is expected.)"""
-        socks = {s: (f, peer) for f in FLOWS for peer, s in self._socks[f].items() if peer not in self._failed}
+        socks = {
+            s: (f, peer) for f in FLOWS for peer, s in self._socks[f].items() if peer not in self._failed
+        }
         if not socks:
             time.sleep(wait_s)
             return
@@ -228,7 +237,9 @@ class TcpTransport(Transport):
             except OSError as e:
                 if self._closed:
                     raise TransportClosed("the transport was closed during a send") from e
-                raise self._fail(dst, f"its connection broke while rank {self.rank} sent to it ({e})", e) from e
+                raise self._fail(
+                    dst, f"its connection broke while rank {self.rank} sent to it ({e})", e
+                ) from e
         return _Done()
 
     def _sock(self, peer: int, flow: str) -> socket.socket:
@@ -240,7 +251,9 @@ class TcpTransport(Transport):
             raise PeerFailure(f"pyasync: rank {peer} failed: {self._failed[peer]}", [peer])
         s = self._socks[flow].get(peer)
         if s is None:
-            raise ValueError(f"no connection to rank {peer} on flow {flow} (this is rank {self.rank} of {self.world_size})")
+            raise ValueError(
+                f"no connection to rank {peer} on flow {flow} (this is rank {self.rank} of {self.world_size})"
+            )
         return s
 
     def frame_ring(self, nbytes: int, device: torch.device, count: int = 1) -> FrameRing:
@@ -294,14 +307,16 @@ class TcpTransport(Transport):
             view = _bytes(buf)
             if n > len(view):
                 raise ValueError(
-                    f"pyasync: rank {peer} sent a {n}-byte message on flow {flow}, larger than the {len(view)}-byte "
+                    f"pyasync: rank {peer} sent a {n}-byte message on flow {flow}, larger than the "
+                    f"{len(view)}-byte "
                     "receive buffer (a peer running another model or pyasync version?)"
                 )
             _recv_exact_into(s, view[:n])
             return True
         except TimeoutError as e:
             raise TimeoutError(
-                f"pyasync: rank {peer} stopped in the middle of a message on flow {flow} for {self.timeout_s:g} s"
+                f"pyasync: rank {peer} stopped in the middle of a message on flow {flow} for "
+                f"{self.timeout_s:g} s"
             ) from e
         except (ConnectionError, EOFError, OSError) as e:
             if self._closed:
@@ -333,26 +348,20 @@ class TcpTransport(Transport):
             return
         for f in FLOWS:
             for s in self._socks[f].values():
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         self._shutdown()
 
     def _shutdown(self) -> None:
         with self._readers_lock:
             self._closed = True
         for f in FLOWS:
-            try:
+            with contextlib.suppress(OSError):
                 self._wake[f][1].send(b"x")  # stays unread: every later select() returns at once
-            except OSError:
-                pass
         for f in FLOWS:
             for s in self._socks[f].values():
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
         # The wake-up pipes and selectors stay open until no receiver waits any more: closing an fd a
         # thread is about to select() on would lose the wake-up (epoll drops closed fds).
         with self._readers_lock:

@@ -87,6 +87,7 @@ _FIELDS = (
 _MASK63 = (1 << 63) - 1
 MAX_CLOCK = 1 << 60  # clocks and versions above this are corrupt
 
+
 def _checksum(fields: Sequence[int]) -> int:
     c = 0x2545F4914F6CDD1D
     for f in fields:

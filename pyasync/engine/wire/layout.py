@@ -91,8 +91,9 @@ def push_views(frame: torch.Tensor, codec: str, n: int, block: int, k: int, mask
     body = frame[HEADER_BYTES : HEADER_BYTES + total]
     _zero_padding(body, parts, total)
     v = _views(body, parts)
-    payload = Payload(codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"),
-                      k=k, block=block)
+    payload = Payload(
+        codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
+    )
     return payload, v["mask"], total
 
 
@@ -160,7 +161,9 @@ def _check_topk(indices: torch.Tensor, n: int, h: Header) -> None:
     if lo < 0 or hi >= n:
         raise WireError(f"PUSH from rank {h.sender}: top-k indices lie in [{lo}, {hi}], outside [0, {n})")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise WireError(f"PUSH from rank {h.sender}: top-k indices are not strictly ascending (corrupt payload)")
+        raise WireError(
+            f"PUSH from rank {h.sender}: top-k indices are not strictly ascending (corrupt payload)"
+        )
 
 
 def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
@@ -172,8 +175,16 @@ def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
     parts, total = push_parts(codec, h.numel, h.block, h.k, h.count)
     _check_buffer(buf, total, h)
     v = _views(buf, parts)
-    p = Payload(codec=codec, n=h.numel, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"),
-                k=h.k, block=h.block, finite=h.finite)
+    p = Payload(
+        codec=codec,
+        n=h.numel,
+        codes=v["codes"],
+        scales=v.get("scales"),
+        indices=v.get("indices"),
+        k=h.k,
+        block=h.block,
+        finite=h.finite,
+    )
     if p.indices is not None and buf.device.type == "cpu":
         _check_topk(p.indices, h.numel, h)
     mask = v["mask"]

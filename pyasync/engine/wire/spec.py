@@ -40,13 +40,24 @@ class WireSpec:
 
     @classmethod
     def for_compressor(
-        cls, compressor, rank: int, world_size: int, shard_numels: Sequence[Sequence[int]],
+        cls,
+        compressor,
+        rank: int,
+        world_size: int,
+        shard_numels: Sequence[Sequence[int]],
         mask_lens: Sequence[Sequence[int]],
     ) -> WireSpec:
         """The spec of a job whose pushes ``compressor`` encodes (it states its own wire parameters)."""
         codec, block, _ = compressor.wire_params(1)
-        return cls(rank, world_size, shard_numels, mask_lens, codec, block,
-                   topk_k=lambda n: compressor.wire_params(n)[2])
+        return cls(
+            rank,
+            world_size,
+            shard_numels,
+            mask_lens,
+            codec,
+            block,
+            topk_k=lambda n: compressor.wire_params(n)[2],
+        )
 
     def push_bytes(self, bucket: int, shard: int) -> int:
         """Payload bytes of a push to shard ``shard`` of ``bucket`` under the agreed codec."""
@@ -57,7 +68,9 @@ class WireSpec:
     def max_push_frame(self) -> int:
         """Bytes of the largest frame a worker may send this rank (a PUSH to one of its non-empty
         shards, or a CLOSE): the size of the owner's receive buffer."""
-        sizes = [self.push_bytes(b, self.rank) for b, row in enumerate(self.shard_numels) if row[self.rank] > 0]
+        sizes = [
+            self.push_bytes(b, self.rank) for b, row in enumerate(self.shard_numels) if row[self.rank] > 0
+        ]
         return HEADER_BYTES + max(sizes, default=0)
 
     def max_reply_frame(self) -> int:
@@ -139,4 +152,6 @@ class WireSpec:
         if h.kind not in CONTROL_KINDS:
             raise WireError(f"expected CLOSE, PAUSE or RESUME from rank {h.sender}, got {KIND_NAMES[h.kind]}")
         if h.nbytes != 0 or h.clock < 0:
-            raise WireError(f"{KIND_NAMES[h.kind]} from rank {h.sender} has nbytes={h.nbytes}, clock={h.clock}")
+            raise WireError(
+                f"{KIND_NAMES[h.kind]} from rank {h.sender} has nbytes={h.nbytes}, clock={h.clock}"
+            )
