@@ -346,6 +346,8 @@ class TcpTransport(Transport):
         an error (sends); peers see the connections end without a goodbye."""
         if self._closed:
             return
+        with self._readers_lock:
+            self._closed = True  # first: a receiver woken by the shutdown below must see why
         for f in FLOWS:
             for s in self._socks[f].values():
                 with contextlib.suppress(OSError):
@@ -353,11 +355,11 @@ class TcpTransport(Transport):
         self._shutdown()
 
     def _shutdown(self) -> None:
-        with self._readers_lock:
+        with self._readers_lock:  # no reader may release the wake-up pipes while they are written
             self._closed = True
-        for f in FLOWS:
-            with contextlib.suppress(OSError):
-                self._wake[f][1].send(b"x")  # stays unread: every later select() returns at once
+            for f in FLOWS:
+                with contextlib.suppress(OSError):
+                    self._wake[f][1].send(b"x")  # stays unread: every later select() returns at once
         for f in FLOWS:
             for s in self._socks[f].values():
                 with contextlib.suppress(OSError):
