@@ -26,12 +26,13 @@ from pyasync._construct import check_options, describe_group, trainable_params
 from pyasync.engine import wire
 from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
+from pyasync.engine.collective import CollectiveEngine
 from pyasync.engine.engine import Engine
 from pyasync.engine.meet import collective_failure, control_group, join
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
-from pyasync.policy import Policy, parse_policy
+from pyasync.policy import BSP, Policy, parse_policy
 from pyasync.transport.base import Transport
 from pyasync.transport.tcp import TcpTransport
 
@@ -165,7 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
-        self._engine: Engine | None = None
+        self._engine: Engine | CollectiveEngine | None = None
 
         self._params, groups, self._names = trainable_params(self.param_groups, named_parameters)
         cap = max(1, int(bucket_cap_mb * (1 << 20)))
@@ -218,7 +219,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shard_numels=[[s.numel for s in lay.shards] for lay in self._layouts],
             mask_lens=[[len(s.segments) for s in lay.shards] for lay in self._layouts],
         )
-        self._engine = Engine(
+        common = dict(
             params=self._params,
             layouts=self._layouts,
             policy=self._policy,
@@ -229,13 +230,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             world_size=self._world,
             timeout=timeout,
             spec=spec,
-            num_appliers=num_appliers,
             names=self._names,
             on_nonfinite=on_nonfinite,
             max_grad_norm=max_grad_norm,
             control=self._control,
             grad_edits=grad_edits,
         )
+        if isinstance(self._policy, BSP) and not self._policy.p2p:
+            self._engine = CollectiveEngine(**common)  # Note [BSP on collectives]
+        else:
+            self._engine = Engine(**common, num_appliers=num_appliers)
         optimizer._pyasync_wrapper = weakref.ref(self)
         # A rank that exits without close(): stop the threads, so peers see it leave (a PeerFailure
         # there) and the interpreter's exit never meets a thread inside a socket call.
@@ -411,7 +415,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | CollectiveEngine:
         """The engine behind this optimizer (pyasync/engine/engine.py): its narrow API (``snapshot``,
         ``load``, ``drain``, ``pause``/``resume``, ``clock``) is what pyasync.checkpoint uses."""
         if self._engine is None:

@@ -121,12 +121,18 @@ class _Aggregate(Policy):
 class BSP(_Aggregate):
     """Bulk-synchronous: for every clock t each owner applies ONE update from the mean of all n
     workers' gradients of clock t, and a worker starts step t+1 only on parameters that include update t
-    from every owner. Equal to DDP with the same optimizer, up to float rounding."""
+    from every owner. Equal to DDP with the same optimizer, up to float rounding.
 
+    It runs on collectives (reduce-scatter or all-to-all, then all-gather: Note [BSP on collectives] in
+    pyasync/engine/collective.py); ``p2p=True`` ("bsp:p2p") runs it on the point-to-point engine of the
+    other policies instead, where workers may also take different numbers of steps (a worker that
+    closed counts as zeros)."""
+
+    p2p: bool = False
     clips_mean = True
 
     def spec(self) -> str:
-        return "bsp"
+        return "bsp:p2p" if self.p2p else "bsp"
 
     def update_ready(self, pushed: AbstractSet[int], absent: AbstractSet[int], world_size: int) -> bool:
         # Every worker that can still push has pushed; workers that closed early count as zeros in the
@@ -247,6 +253,8 @@ def parse_policy(x: PolicyLike) -> Policy:
     try:
         if name == "bsp" and not args:
             return BSP()
+        if name == "bsp" and args == ["p2p"]:
+            return BSP(p2p=True)
         if name == "asp" and len(args) <= 1:
             return ASP(lr_scale=args[0] if args else None)
         if name == "ssp" and 1 <= len(args) <= 2:
@@ -256,7 +264,7 @@ def parse_policy(x: PolicyLike) -> Policy:
     except ValueError as e:
         raise ValueError(f"bad policy string {x!r}: {e}") from None
     raise ValueError(
-        f"unknown policy string {x!r}; use 'bsp', 'asp', 'asp:inverse', 'ssp:<s>', 'ssp:<s>:inverse', "
-        f"'quorum:<k>' or 'quorum:<k>:fold'"
+        f"unknown policy string {x!r}; use 'bsp', 'bsp:p2p', 'asp', 'asp:inverse', 'ssp:<s>', "
+        "'ssp:<s>:inverse', 'quorum:<k>' or 'quorum:<k>:fold'"
     )
 

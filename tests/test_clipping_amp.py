@@ -22,7 +22,7 @@ def _model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def _bsp_vs_ddp(rank, world, max_norm, steps=12):
+def _bsp_vs_ddp(rank, world, max_norm, policy, steps=12):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pyasync
@@ -31,7 +31,7 @@ def _bsp_vs_ddp(rank, world, max_norm, steps=12):
     ref = DDP(copy.deepcopy(model))
     opt = pyasync.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
-        policy="bsp",
+        policy=policy,
         max_grad_norm=max_norm,
         bucket_cap_mb=0.0002,
         timeout=TIMEOUT,  # several buckets: the norm spans all of them
@@ -58,9 +58,9 @@ def _bsp_vs_ddp(rank, world, max_norm, steps=12):
     return worst, norms, n_buckets
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_bsp_with_max_grad_norm_equals_ddp_with_clip_grad_norm(world):
-    res = run_workers(_bsp_vs_ddp, world, args=(0.05,), timeout=180)
+@pytest.mark.parametrize(("policy", "world"), [("bsp", 2), ("bsp", 3), ("bsp:p2p", 3)])
+def test_bsp_with_max_grad_norm_equals_ddp_with_clip_grad_norm(policy, world):
+    res = run_workers(_bsp_vs_ddp, world, args=(0.05, policy), timeout=180)
     for rank, (worst, norms, n_buckets) in enumerate(res):
         assert n_buckets >= 2
         assert worst < 2e-5, f"rank {rank}: BSP + max_grad_norm differs from DDP + clip_grad_norm_ by {worst}"

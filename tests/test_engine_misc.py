@@ -286,12 +286,12 @@ def test_bad_arguments_without_processes():
             pyasync.DistributedOptimizer(sgd)
 
 
-def _absent_rank(rank, world, released):
+def _absent_rank(rank, world, released, policy="bsp:p2p"):
     import pyasync
 
     p = torch.nn.Parameter(torch.zeros(4 * world))
     opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD([p], lr=1.0), policy="bsp", timeout=datetime.timedelta(seconds=3)
+        torch.optim.SGD([p], lr=1.0), policy=policy, timeout=datetime.timedelta(seconds=3)
     )
     msg = None
     if rank == 1:
@@ -426,3 +426,42 @@ def test_a_process_group_of_some_ranks():
     assert res[1] is None and (res[0][1], res[0][2]) == (0, 2) and (res[2][1], res[2][2]) == (1, 2)
     assert torch.equal(res[0][0], res[2][0])
     assert torch.allclose(res[0][0], p0 - 0.5 * 4 * (1 + 3) / 2)  # 4 steps of the mean gradient 2
+
+
+def _late_for_a_collective(rank, world, released):
+    import pyasync
+
+    p = torch.nn.Parameter(torch.zeros(4 * world))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), policy="bsp", timeout=datetime.timedelta(seconds=3)
+    )
+    opt.zero_grad()
+    (-p.sum()).backward()
+    opt.step()  # step 0 together
+    if rank == 1:
+        assert released.wait(60)  # rank 1 skips step 1 until rank 0 has given up on it
+        return None
+    (-p.sum()).backward()
+    try:
+        opt.step()
+        msg = None
+    except pyasync.PeerFailure as e:
+        msg = (e.ranks, str(e))
+    released.set()
+    try:
+        opt.step()  # the failure stays: every later call raises it
+        again = None
+    except pyasync.PeerFailure as e:
+        again = e.ranks
+    opt.close()
+    return msg, again
+
+
+@multiproc
+def test_bsp_on_collectives_names_a_rank_that_does_not_come():
+    import torch.multiprocessing as mp
+
+    released = mp.get_context("spawn").Event()
+    (msg, again), _ = run_workers(_late_for_a_collective, 2, args=(released,), timeout=120)
+    assert msg is not None and msg[0] == (1,) and "did not reach step 1" in msg[1], msg
+    assert again == (1,)

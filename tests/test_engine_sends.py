@@ -84,7 +84,7 @@ def _many_steps(rank, world, policy):
 
 
 @multiproc
-@pytest.mark.parametrize("policy", ["bsp", "asp"])
+@pytest.mark.parametrize("policy", ["bsp:p2p", "asp"])
 def test_engine_keeps_sends_in_flight_bounded(policy):
     res = run_workers(_many_steps, 3, args=(policy,), timeout=120)
     for peak, n_frames, n_buckets, n_shards, pushes, allocated in res:
@@ -97,7 +97,7 @@ def test_engine_keeps_sends_in_flight_bounded(policy):
         # ASP a backlog at an applier needs more for a while (how many depends on timing), but fewer
         # than the messages received, and the pools never keep more than their cap.
         (push20, reply20), (push59, reply59), (push_free, push_keep, reply_free, reply_keep) = allocated
-        if policy == "bsp":
+        if policy == "bsp:p2p":
             assert (push59, reply59) == (push20, reply20), allocated
         received = 60 * n_buckets * (3 - 1)
         assert push59 < received and reply59 < received, allocated

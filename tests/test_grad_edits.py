@@ -85,15 +85,17 @@ def _ledger(rank, world, policy, codec, scale, nan_at):
     return p.detach().clone(), st.nonfinite_skipped, st.buckets_reencoded
 
 
-@pytest.mark.parametrize("policy", ["bsp", "ssp:1", "asp"])
+@pytest.mark.parametrize("policy", ["bsp", "bsp:p2p", "ssp:1", "asp"])
 @pytest.mark.parametrize("codec", ["none", "fp16", "topk:0.5"])
 def test_a_gradient_scaled_after_backward_is_applied_scaled_exactly(policy, codec):
     world = 3
     res = run_workers(_ledger, world, args=(policy, codec, 3.0, None), timeout=120)
     final = res[0][0]
+    # BSP on collectives reads .grad only in step(): nothing is encoded early, so nothing again.
+    again = 0 if policy == "bsp" else STEPS
     for r in range(world):
         assert torch.equal(res[r][0], final), f"rank {r}: replicas differ after close()"
-        assert res[r][2] == STEPS, f"rank {r}: every step's bucket was edited, so encoded again ({res[r][2]})"
+        assert res[r][2] == again, f"rank {r}: {res[r][2]} buckets encoded again, expected {again}"
     # Every push applied once, x 3 (the edit), / n (the mean, or each push's 1/n under SSP/ASP).
     assert torch.equal(final, torch.full_like(final, 3.0 / world)), final
 

@@ -44,17 +44,20 @@ from pyasync.engine import wire
 from pyasync.engine.access import ShardAccess, initial_masters
 from pyasync.engine.capture import Capture, check_grads
 from pyasync.engine.clock import as_raised
-from pyasync.engine.meet import collective_failure
+from pyasync.engine.meet import collective_failure, roll_call
+from pyasync.engine.reduce import StepReduce
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
-from pyasync.errors import NonFiniteGradientError, PeerFailure, ProtocolError
+from pyasync.errors import NonFiniteGradientError, PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
-from pyasync.ops import codecs as ops_codecs
 
 __all__ = ["CollectiveEngine"]
 
 _log = logging.getLogger("pyasync")
+# torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ROLL_CALL = datetime.timedelta(seconds=5)  # how long survivors wait for each other to name the absent
 
 
 @dataclass
@@ -81,7 +84,7 @@ class _Here:
         return [fn(self)]
 
 
-class CollectiveEngine:
+class CollectiveEngine(StepReduce):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
 
     def __init__(
@@ -119,6 +122,8 @@ class CollectiveEngine:
         self.wait_seconds = 0.0
         self.st = Stats()
         self.logged = False
+        self.raw_bytes = 0  # fp32 bytes of the slices encoded (compressed pushes)
+        self.enc_bytes = 0  # their encoded bytes
         self.bad: list[tuple[int, int]] = []  # (bucket, step) of this rank's non-finite pushes, for "raise"
         masters = initial_masters(params, layouts, rank)
         self.owned = {
@@ -128,26 +133,6 @@ class CollectiveEngine:
         self.shards = ShardAccess(_Here(self.owned), rule, layouts, params, rank, timeout, self._require_open)
         self.capture = Capture(params, layouts, self.cond, lambda b: None)  # no_sync(); nothing early
         self._plan()
-
-    # -- layout of one step's buffers -------------------------------------------------------------------
-    def _plan(self) -> None:
-        """Per bucket: the reduce-scatter chunks (values + extras) or the all-to-all frame sizes, and the
-        padded all-gather width."""
-        self.chunks: list[list[tuple[int, int, int]]] = []  # bucket -> per shard (offset, numel, extras)
-        self.frames: list[list[int]] = []  # bucket -> per shard: push frame bytes
-        for lay in self.layouts:
-            off, rows = 0, []
-            for sh in lay.shards:
-                extras = len(sh.segments) + 2  # has-grad per segment, non-finite flag, clock
-                rows.append((off, sh.numel, extras))
-                off += sh.numel + extras
-            self.chunks.append(rows)
-            self.frames.append(
-                [wire.HEADER_BYTES + self.spec.push_bytes(lay.index, r) if sh.numel else 0
-                 for r, sh in enumerate(lay.shards)]
-            )
-        self.rs_buf = [torch.zeros(rows[-1][0] + rows[-1][1] + rows[-1][2]) for rows in self.chunks]
-        self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
 
     # -- errors -------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -168,15 +153,32 @@ class CollectiveEngine:
     def _collective(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, group=self.control, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a dead or stalled peer: name it when the transport saw it
-            err = collective_failure(e, self.transport, f"{what} of step {self.clock}")
-            if not isinstance(err, PeerFailure):
-                err = TimeoutError(
-                    f"pyasync: {what} of step {self.clock} failed ({e}); a rank may be hung, late or taking "
-                    "another number of steps (under BSP every rank takes the same steps, as with DDP)"
+        except Exception as e:
+            raise self._failure(what, e) from e
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            raise self._failure(what, e) from e
+
+    def _failure(self, what: str, e: BaseException) -> BaseException:
+        """A collective of this step failed: a PeerFailure naming the ranks that died (seen by the
+        transport) or that did not come (a roll call through the store), kept for every later call."""
+        err = collective_failure(e, self.transport, f"{what} of step {self.clock}")
+        if not isinstance(err, PeerFailure):
+            missing = roll_call(self.control, f"step{self.clock}", min(self.timeout, _ROLL_CALL))
+            if missing:
+                err = PeerFailure(
+                    f"pyasync: ranks {missing} did not reach step {self.clock} ({what}) within "
+                    f"{self.timeout.total_seconds():g} s: late, hung or dead (under BSP every rank takes "
+                    "the same number of steps, as with DDP)",
+                    missing,
                 )
-            self._sticky(err)
-            raise err from e
+            else:
+                err = RuntimeError(f"pyasync: {what} of step {self.clock} failed: {e}")
+        self._sticky(err)
+        return err
 
     # -- step ---------------------------------------------------------------------------------------
     def step(self, grad_scale: float | None = None, found_inf: bool = False) -> None:
@@ -207,150 +209,17 @@ class CollectiveEngine:
         self.st.pushes_sent += sum(1 for lay in self.layouts for sh in lay.shards if sh.numel)
         bad, self.bad = [b for b, c in self.bad if c == t], []
         if bad and self.on_nonfinite == "raise":
+            names = [self.names[p] for b in bad for p in self.layouts[b].params][:8]
             raise NonFiniteGradientError(
-                f"pyasync: non-finite gradient (NaN or Inf) in buckets {bad} at step {t} on rank {self.rank}; "
-                "the push was skipped (not applied) and the step completed. Fix the loss or lower the learning "
-                "rate, or pass on_nonfinite='skip' to skip such pushes silently"
+                f"pyasync: non-finite gradient (NaN or Inf) in buckets {bad} (parameters: "
+                f"{', '.join(names)}) at step {t} on rank "
+                f"{self.rank}; the push was skipped (not applied) and the step completed. Fix the loss or "
+                "lower the learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
             )
-
-    def _grads(self, b: int) -> list[torch.Tensor | None]:
-        out = []
-        for p in self.layouts[b].params:
-            g = self.params[p].grad
-            out.append(None if g is None else (g.to_dense() if g.layout != torch.strided else g).contiguous())
-        return out
-
-    def _reduce_dense(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
-        """Uncompressed: per bucket, the reduce-scatter of chunks (values x scale / n, then extras)."""
-        works = []
-        for b, lay in enumerate(self.layouts):
-            buf, rows = self.rs_buf[b], self.chunks[b]
-            grads = self._grads(b)
-            srcs, offs, lens = [], [], []
-            for (off, _, _), sh in zip(rows, lay.shards):
-                for seg in sh.segments:
-                    g = grads[seg.slot]
-                    srcs.append(None if g is None else g.view(-1)[seg.param_begin : seg.param_begin + seg.end - seg.begin])
-                    offs.append(off + seg.begin)
-                    lens.append(seg.end - seg.begin)
-            flag = torch.zeros(1, dtype=torch.int32)
-            if srcs:
-                ops_bucketing.flatten(srcs, buf, offs, numels=lens, scale=scale / self.n, nonfinite=flag)
-            bad_bucket = bool(flag[0]) or skip
-            for r, ((off, numel, extras), sh) in enumerate(zip(rows, lay.shards)):
-                chunk = buf[off : off + numel]
-                bad = skip or (bad_bucket and not bool(torch.isfinite(chunk).all()))
-                if bad:
-                    chunk.zero_()  # counts as zeros in the mean, as in the point-to-point BSP
-                    if not skip:
-                        self._nonfinite(b, t)
-                ex = buf[off + numel : off + numel + extras]
-                ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
-                ex[-2] = float(bad)
-                ex[-1] = float(t)
-            inputs = [buf[off : off + numel + extras] for off, numel, extras in rows]
-            self.st.bytes_sent += 4 * (buf.numel() - inputs[self.rank].numel())  # what leaves this rank
-            mine = rows[self.rank]
-            out = torch.empty(mine[1] + mine[2])
-            if self.n > 1:
-                works.append((b, out, self._collective("the gradient reduce-scatter", dist.reduce_scatter, out,
-                                                       inputs, async_op=True)))
-            else:
-                out.copy_(inputs[0])
-                works.append((b, out, None))
-        means = {}
-        for b, out, work in works:
-            if work is not None:
-                self._wait(work, "the gradient reduce-scatter")
-            numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
-            if numel == 0:
-                continue
-            ex = out[numel:]
-            if int(round(float(ex[-1]))) != self.n * t:
-                err = ProtocolError(
-                    f"pyasync: the ranks are not on the same step (this is step {t}, the clocks sum to "
-                    f"{float(ex[-1]):g}); under BSP every rank takes the same number of steps"
-                )
-                self._sticky(err)
-                raise err
-            bad = int(round(float(ex[-2])))
-            mask = [bool(x > 0) for x in ex[: extras - 2].tolist()]
-            self._count(b, bad)
-            means[b] = (out[:numel], mask, self.n - bad)
-        return means
-
-    def _reduce_encoded(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
-        """Compressed: per bucket, every slice encoded into a push frame, an all-to-all, then this rank's
-        frames decoded and summed in rank order."""
-        means = {}
-        for b, lay in enumerate(self.layouts):
-            flat = torch.empty(lay.numel)
-            grads = self._grads(b)
-            has = [g is not None for g in grads]
-            if lay.numel:
-                ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
-            sizes = self.frames[b]
-            send = torch.zeros(sum(sizes), dtype=torch.uint8)
-            off = 0
-            for r, sh in enumerate(lay.shards):
-                if sh.numel == 0:
-                    continue
-                codec, block, k = self.comp.wire_params(sh.numel)
-                fr = send[off : off + sizes[r]]
-                out, mask_v, body = wire.push_views(fr, codec, sh.numel, block, k, len(sh.segments))
-                payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
-                if skip:
-                    self.comp.undo((b, r))
-                elif not payload.finite:
-                    self._nonfinite(b, t)
-                mask_v.copy_(torch.tensor([has[s] for s in sh.slots], dtype=torch.uint8))
-                h = wire.Header(kind=wire.PUSH, sender=self.rank, clock=t, version=self.owned_version(b, r),
-                                bucket=b, shard=r, codec=wire.CODEC_IDS[codec], numel=sh.numel, nbytes=0, k=k,
-                                block=block, flags=wire.FLAG_FINITE if payload.finite and not skip else 0,
-                                count=len(sh.segments))
-                wire.seal(fr, h, body)
-                off += sizes[r]
-            mine = sizes[self.rank]
-            self.st.bytes_sent += sum(sizes) - mine
-            recv = torch.empty(mine * self.n, dtype=torch.uint8)
-            if self.n > 1:
-                self._collective("the push all-to-all", dist.all_to_all_single, recv, send,
-                                 output_split_sizes=[mine] * self.n, input_split_sizes=sizes)
-            else:
-                recv.copy_(send)
-            sh = lay.shards[self.rank]
-            if sh.numel == 0:
-                continue
-            agg = torch.zeros(sh.numel)
-            mask = [False] * len(sh.segments)
-            bad = 0
-            for w in range(self.n):  # rank order: the sum does not depend on arrival
-                frame = recv[w * mine : (w + 1) * mine]
-                h = wire.frame_header(frame, w)
-                self.spec.check_push(h)
-                if h.clock != t:
-                    raise ProtocolError(f"PUSH from rank {w} carries step {h.clock}, this is step {t}")
-                payload, m = wire.unpack_push(wire.frame_body(frame, h), h)
-                if not payload.finite:
-                    bad += 1
-                    continue
-                ops_codecs.decode(payload, out=agg, alpha=1.0 / self.n, accumulate=True, validate=False)
-                mask = [a or bool(x) for a, x in zip(mask, m.tolist())]
-            self._count(b, bad)
-            means[b] = (agg, mask, self.n - bad)
-        return means
 
     def owned_version(self, b: int, r: int) -> int:
         own = self.owned.get(b) if r == self.rank else None
         return own.round.version if own is not None else 0
-
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except Exception as e:  # noqa: BLE001
-            err = collective_failure(e, self.transport, f"{what} of step {self.clock}")
-            self._sticky(err)
-            raise err from e
 
     def _clip(self, means: dict[int, tuple]) -> None:
         """Clip the mean gradient to max_grad_norm: one all-reduce of the ranks' squared norms."""
@@ -368,7 +237,7 @@ class CollectiveEngine:
     def _gather(self, t: int) -> None:
         """All-gather every bucket's new shard values and write them into the parameters."""
         works = []
-        for b, lay in enumerate(self.layouts):
+        for b in range(len(self.layouts)):
             width = self.width[b]
             if width == 0:
                 continue
@@ -379,8 +248,19 @@ class CollectiveEngine:
             out = torch.empty(width * self.n)
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
             if self.n > 1:
-                works.append((b, out, self._collective("the all-gather of the new values",
-                                                        dist.all_gather_into_tensor, out, mine, async_op=True)))
+                works.append(
+                    (
+                        b,
+                        out,
+                        self._collective(
+                            "the all-gather of the new values",
+                            _all_gather_single,
+                            out,
+                            mine,
+                            async_op=True,
+                        ),
+                    )
+                )
             else:
                 out.copy_(mine)
                 works.append((b, out, None))
@@ -392,8 +272,12 @@ class CollectiveEngine:
                 dst = [self.params[p].data for p in lay.params]
                 for r, sh in enumerate(lay.shards):
                     if sh.numel:
-                        ops_bucketing.unflatten(out[r * width : r * width + sh.numel].to(self.device), dst,
-                                                lay.offsets, begin=sh.begin)
+                        ops_bucketing.unflatten(
+                            out[r * width : r * width + sh.numel].to(self.device),
+                            dst,
+                            lay.offsets,
+                            begin=sh.begin,
+                        )
 
     # -- counters -----------------------------------------------------------------------------------
     def _count(self, b: int, bad: int) -> None:
@@ -408,9 +292,15 @@ class CollectiveEngine:
         if not self.logged:
             self.logged = True
             names = [self.names[p] for p in self.layouts[b].params][:8]
-            _log.warning("pyasync: non-finite gradient (NaN or Inf) in bucket %d at step %d on rank %d "
-                         "(parameters: %s); the push is skipped, not applied (counted in "
-                         "stats().nonfinite_skipped; logged once per rank)", b, t, self.rank, ", ".join(names))
+            _log.warning(
+                "pyasync: non-finite gradient (NaN or Inf) in bucket %d at step %d on rank %d "
+                "(parameters: %s); the push is skipped, not applied (counted in "
+                "stats().nonfinite_skipped; logged once per rank)",
+                b,
+                t,
+                self.rank,
+                ", ".join(names),
+            )
 
     # -- the rest of the engine's narrow API ------------------------------------------------------------
     def no_sync(self) -> Iterator[None]:
@@ -451,8 +341,9 @@ class CollectiveEngine:
                     self.check()
                 return
             if self.n > 1:
-                self._collective("close()'s barrier", dist.monitored_barrier, timeout=self.timeout,
-                                 wait_all_ranks=True)
+                self._collective(
+                    "close()'s barrier", dist.monitored_barrier, timeout=self.timeout, wait_all_ranks=True
+                )
         finally:
             if self.transport is not None:
                 (self.transport.close if self.error is None else self.transport.abort)()
@@ -469,4 +360,5 @@ class CollectiveEngine:
         st.clock = self.clock
         st.min_included_clock = self.clock - 1
         st.grad_norm = self.grad_norm
+        st.compression_ratio = self.raw_bytes / self.enc_bytes if self.enc_bytes else 1.0
         return st

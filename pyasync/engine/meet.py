@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pyasync.errors import PeerFailure
 
-__all__ = ["collective_failure", "control_group", "join", "store"]
+__all__ = ["collective_failure", "control_group", "join", "roll_call", "store"]
 
 _generation = itertools.count()  # joins made by this process (the same sequence on every rank)
 
@@ -62,6 +62,27 @@ def join(group, timeout: datetime.timedelta, what: str) -> None:
             "(late, hung or dead); every rank of the process group must create the optimizer",
             missing,
         ) from e
+
+
+def roll_call(group, tag: str, wait: datetime.timedelta) -> list[int]:
+    """After a collective of ``group`` failed: every rank that gets here sets its key under ``tag`` (the
+    same on every rank, e.g. the step) and waits up to ``wait`` for the others'; the ranks (in ``group``)
+    whose key is still missing, i.e. that did not reach this point: late, hung or dead. Empty when
+    every rank arrived or when there is no store to ask."""
+    st = store()
+    if st is None:
+        return []
+    ranks = _global_ranks(group)
+    keys = [f"pyasync/rollcall/{'-'.join(map(str, ranks))}/{tag}/{g}" for g in ranks]
+    try:
+        st.set(keys[ranks.index(dist.get_rank())], "1")
+        st.wait(keys, wait)
+        return []
+    except Exception:
+        try:
+            return [r for r, k in enumerate(keys) if not st.check([k])]
+        except Exception:
+            return []
 
 
 def control_group(group, timeout: datetime.timedelta):

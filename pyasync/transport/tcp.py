@@ -111,6 +111,7 @@ class TcpTransport(Transport):
         self._failure = threading.Event()  # set when a peer fails
         self._readers = 0  # threads inside recv_any (they notice failures themselves)
         self._readers_lock = threading.Lock()
+        self._woken = False  # the wake-up bytes are written: the pipes may be released
         self._closed = False
         self._wake = {f: socket.socketpair() for f in FLOWS}
         self._sel = {f: selectors.DefaultSelector() for f in FLOWS}
@@ -360,6 +361,7 @@ class TcpTransport(Transport):
             for f in FLOWS:
                 with contextlib.suppress(OSError):
                     self._wake[f][1].send(b"x")  # stays unread: every later select() returns at once
+            self._woken = True
         for f in FLOWS:
             for s in self._socks[f].values():
                 with contextlib.suppress(OSError):
@@ -371,7 +373,7 @@ class TcpTransport(Transport):
 
     def _release(self) -> None:
         """Close the wake-up pipes and selectors once closed and no receiver waits (caller holds the lock)."""
-        if self._closed and self._readers == 0 and self._sel:
+        if self._woken and self._readers == 0 and self._sel:
             sel, wake = self._sel, self._wake
             self._sel, self._wake = {}, {}
             for f in FLOWS:

@@ -1,0 +1,201 @@
+"""The reduce half of a BSP step on collectives (Note [BSP on collectives] in engine/collective.py):
+the buffers each bucket's reduce-scatter or all-to-all uses, and the two ways to fill them, a
+reduce-scatter of scaled gradient chunks (uncompressed) or an all-to-all of encoded push frames
+(compressed). Both return, per bucket this rank owns, (the mean gradient of its shard, the has-grad
+mask of its segments, how many ranks' pushes were finite)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pyasync.engine import wire
+from pyasync.errors import ProtocolError
+from pyasync.ops import bucketing as ops_bucketing
+from pyasync.ops import codecs as ops_codecs
+
+__all__ = ["StepReduce"]
+
+
+class StepReduce:
+    """Mixin of CollectiveEngine: expects layouts, spec, comp, params, rank, n, st, raw_bytes,
+    enc_bytes and the engine's _collective, _wait, _sticky, _count, _nonfinite and owned_version."""
+
+    # -- layout of one step's buffers -------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Per bucket: the reduce-scatter chunks (values + extras) or the all-to-all frame sizes, and the
+        padded all-gather width."""
+        self.chunks: list[list[tuple[int, int, int]]] = []  # bucket -> per shard (offset, numel, extras)
+        self.frames: list[list[int]] = []  # bucket -> per shard: push frame bytes
+        for lay in self.layouts:
+            off, rows = 0, []
+            for sh in lay.shards:
+                extras = len(sh.segments) + 2  # has-grad per segment, non-finite flag, clock
+                rows.append((off, sh.numel, extras))
+                off += sh.numel + extras
+            self.chunks.append(rows)
+            self.frames.append(
+                [
+                    wire.HEADER_BYTES + self.spec.push_bytes(lay.index, r) if sh.numel else 0
+                    for r, sh in enumerate(lay.shards)
+                ]
+            )
+        self.rs_buf = [torch.zeros(rows[-1][0] + rows[-1][1] + rows[-1][2]) for rows in self.chunks]
+        self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
+
+    def _grads(self, b: int) -> list[torch.Tensor | None]:
+        out = []
+        for p in self.layouts[b].params:
+            g = self.params[p].grad
+            out.append(None if g is None else (g.to_dense() if g.layout != torch.strided else g).contiguous())
+        return out
+
+    def _reduce_dense(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
+        """Uncompressed: per bucket, the reduce-scatter of chunks (values x scale / n, then extras)."""
+        works = []
+        for b, lay in enumerate(self.layouts):
+            buf, rows = self.rs_buf[b], self.chunks[b]
+            grads = self._grads(b)
+            srcs, offs, lens = [], [], []
+            for (off, _, _), sh in zip(rows, lay.shards):
+                for seg in sh.segments:
+                    g = grads[seg.slot]
+                    srcs.append(
+                        None
+                        if g is None
+                        else g.view(-1)[seg.param_begin : seg.param_begin + seg.end - seg.begin]
+                    )
+                    offs.append(off + seg.begin)
+                    lens.append(seg.end - seg.begin)
+            flag = torch.zeros(1, dtype=torch.int32)
+            if srcs:
+                ops_bucketing.flatten(srcs, buf, offs, numels=lens, scale=scale / self.n, nonfinite=flag)
+            bad_bucket = bool(flag[0]) or skip
+            for _r, ((off, numel, extras), sh) in enumerate(zip(rows, lay.shards)):
+                chunk = buf[off : off + numel]
+                bad = skip or (bad_bucket and not bool(torch.isfinite(chunk).all()))
+                if bad:
+                    chunk.zero_()  # counts as zeros in the mean, as in the point-to-point BSP
+                    if not skip:
+                        self._nonfinite(b, t)
+                ex = buf[off + numel : off + numel + extras]
+                ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
+                ex[-2] = float(bad)
+                ex[-1] = float(t)
+            inputs = [buf[off : off + numel + extras] for off, numel, extras in rows]
+            self.st.bytes_sent += 4 * (buf.numel() - inputs[self.rank].numel())  # what leaves this rank
+            mine = rows[self.rank]
+            out = torch.empty(mine[1] + mine[2])
+            if self.n > 1:
+                works.append(
+                    (
+                        b,
+                        out,
+                        self._collective(
+                            "the gradient reduce-scatter", dist.reduce_scatter, out, inputs, async_op=True
+                        ),
+                    )
+                )
+            else:
+                out.copy_(inputs[0])
+                works.append((b, out, None))
+        means = {}
+        for b, out, work in works:
+            if work is not None:
+                self._wait(work, "the gradient reduce-scatter")
+            numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
+            if numel == 0:
+                continue
+            ex = out[numel:]
+            if round(float(ex[-1])) != self.n * t:
+                err = ProtocolError(
+                    f"pyasync: the ranks are not on the same step (this is step {t}, the clocks sum to "
+                    f"{float(ex[-1]):g}); under BSP every rank takes the same number of steps"
+                )
+                self._sticky(err)
+                raise err
+            bad = round(float(ex[-2]))
+            mask = [bool(x > 0) for x in ex[: extras - 2].tolist()]
+            self._count(b, bad)
+            means[b] = (out[:numel], mask, self.n - bad)
+        return means
+
+    def _reduce_encoded(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
+        """Compressed: per bucket, every slice encoded into a push frame, an all-to-all, then this rank's
+        frames decoded and summed in rank order."""
+        means = {}
+        for b, lay in enumerate(self.layouts):
+            flat = torch.empty(lay.numel)
+            grads = self._grads(b)
+            has = [g is not None for g in grads]
+            if lay.numel:
+                ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
+            sizes = self.frames[b]
+            send = torch.zeros(sum(sizes), dtype=torch.uint8)
+            off = 0
+            for r, sh in enumerate(lay.shards):
+                if sh.numel == 0:
+                    continue
+                codec, block, k = self.comp.wire_params(sh.numel)
+                fr = send[off : off + sizes[r]]
+                out, mask_v, body = wire.push_views(fr, codec, sh.numel, block, k, len(sh.segments))
+                payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
+                self.raw_bytes += 4 * sh.numel
+                self.enc_bytes += payload.nbytes
+                if skip:
+                    self.comp.undo((b, r))
+                elif not payload.finite:
+                    self._nonfinite(b, t)
+                mask_v.copy_(torch.tensor([has[s] for s in sh.slots], dtype=torch.uint8))
+                h = wire.Header(
+                    kind=wire.PUSH,
+                    sender=self.rank,
+                    clock=t,
+                    version=self.owned_version(b, r),
+                    bucket=b,
+                    shard=r,
+                    codec=wire.CODEC_IDS[codec],
+                    numel=sh.numel,
+                    nbytes=0,
+                    k=k,
+                    block=block,
+                    flags=wire.FLAG_FINITE if payload.finite and not skip else 0,
+                    count=len(sh.segments),
+                )
+                wire.seal(fr, h, body)
+                off += sizes[r]
+            mine = sizes[self.rank]
+            self.st.bytes_sent += sum(sizes) - mine
+            recv = torch.empty(mine * self.n, dtype=torch.uint8)
+            if self.n > 1:
+                self._collective(
+                    "the push all-to-all",
+                    dist.all_to_all_single,
+                    recv,
+                    send,
+                    output_split_sizes=[mine] * self.n,
+                    input_split_sizes=sizes,
+                )
+            else:
+                recv.copy_(send)
+            sh = lay.shards[self.rank]
+            if sh.numel == 0:
+                continue
+            agg = torch.zeros(sh.numel)
+            mask = [False] * len(sh.segments)
+            bad = 0
+            for w in range(self.n):  # rank order: the sum does not depend on arrival
+                frame = recv[w * mine : (w + 1) * mine]
+                h = wire.frame_header(frame, w)
+                self.spec.check_push(h)
+                if h.clock != t:
+                    raise ProtocolError(f"PUSH from rank {w} carries step {h.clock}, this is step {t}")
+                payload, m = wire.unpack_push(wire.frame_body(frame, h), h)
+                if not payload.finite:
+                    bad += 1
+                    continue
+                ops_codecs.decode(payload, out=agg, alpha=1.0 / self.n, accumulate=True, validate=False)
+                mask = [a or bool(x) for a, x in zip(mask, m.tolist())]
+            self._count(b, bad)
+            means[b] = (agg, mask, self.n - bad)
+        return means
