@@ -368,3 +368,37 @@ def test_close_fails_when_a_laggard_makes_no_progress(policy):
     assert err is not None and err["type"] == "TimeoutError", res[0]
     assert "[1]" in err["msg"] and "close" in err["msg"], err
     assert res[0]["threads"] == [] and codes == [0, -signal.SIGKILL], (res[0], codes)
+
+
+# -- construction again, after a rank's own construction failed --------------------------------------
+
+
+def _retry_after_a_local_error(rank, world, first_done):
+    import pyasync
+
+    rec: dict = {"first": None, "second": None}
+    params = [torch.nn.Parameter(torch.zeros(4 * world))]
+    if rank == 1:  # a mistake on one rank only, caught before it meets the others
+        params.append(torch.nn.Parameter(torch.zeros(2, 2).to_sparse()))
+    try:
+        pyasync.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), timeout=SHORT).close()
+    except (TypeError, pyasync.PeerFailure) as e:
+        rec["first"] = describe(e)
+    if rank == 0:
+        first_done.set()
+    assert first_done.wait(HARNESS_S)  # rank 1 retries once rank 0's first attempt is over
+    try:  # fixed: every rank builds the same optimizer again
+        pyasync.DistributedOptimizer(torch.optim.SGD(params[:1], lr=1.0), timeout=SHORT).close()
+    except Exception as e:
+        rec["second"] = describe(e)
+    return rec
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug: meet.join numbers its store keys with a per-process "
+                   "counter of joins, so a rank whose construction failed before the meeting is one join "
+                   "behind for good: every later construction times out naming it")
+def test_construction_works_again_after_a_rank_failed_before_the_meeting():
+    res = run_workers(_retry_after_a_local_error, 2, args=(ctx().Event(),), timeout=HARNESS_S)
+    assert res[1]["first"]["type"] == "TypeError" and "sparse" in res[1]["first"]["msg"], res[1]
+    assert res[0]["first"]["type"] == "PeerFailure" and res[0]["first"]["ranks"] == (1,), res[0]
+    assert res[0]["second"] is None and res[1]["second"] is None, res
