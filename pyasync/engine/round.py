@@ -37,9 +37,9 @@ Note [Rank-order sum]
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from pyasync.engine.actions import Action, Answer, Apply, Counters, Gate, Release, Sum, Update
 from pyasync.errors import ProtocolError
 
 __all__ = [
@@ -54,70 +54,6 @@ __all__ = [
     "Sum",
     "Update",
 ]
-
-
-# -- actions -----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Apply:
-    """Apply push ``item`` on its own as one update (gradient x 1/n, learning rate x ``lr_factor``)."""
-
-    item: Any
-    lr_factor: float = 1.0
-
-
-@dataclass(frozen=True)
-class Sum:
-    """Decode push ``item`` into the aggregate (x 1/divisor)."""
-
-    item: Any
-
-
-@dataclass(frozen=True)
-class Update:
-    """Apply ``scale`` x the aggregate as one update on the segments whose ``mask`` entry is True; then
-    zero it."""
-
-    mask: tuple[bool, ...]
-    scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The aggregate of ``version`` is complete and waits for ``release(scale)``."""
-
-    version: int
-
-
-@dataclass(frozen=True)
-class Release:
-    """Push ``item`` is not (or no longer) needed: give its buffer back."""
-
-    item: Any
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Send the current values to each (worker, clock answered); ``final``: after every worker closed."""
-
-    dests: tuple[tuple[int, int], ...]
-    final: bool = False
-
-
-Action = Apply | Sum | Update | Gate | Release | Answer
-
-
-@dataclass
-class Counters:
-    """What happened to the pushes of one shard (the owner's part of Stats)."""
-
-    applied: int = 0  # pushes applied (alone or in an aggregate)
-    dropped: int = 0  # late pushes dropped by policy (Quorum late="drop")
-    nonfinite: int = 0  # pushes holding NaN/Inf: never applied
-    updates: int = 0  # optimizer updates of the shard (= version)
-    staleness: dict[int, int] = field(default_factory=dict)  # staleness -> applied pushes
-
-    def stale(self, s: int, count: int = 1) -> None:
-        self.staleness[s] = self.staleness.get(s, 0) + count
 
 
 # -- the machine -------------------------------------------------------------------------------------
