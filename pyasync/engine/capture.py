@@ -28,31 +28,42 @@ import torch
 
 from pyasync.engine.shards import BucketLayout
 
-__all__ = ["Capture", "check_grads", "grad_stamp"]
+__all__ = ["Capture", "check_grads", "dense", "grad_problem", "grad_stamp"]
+
+
+def grad_problem(p: torch.Tensor, g: torch.Tensor | None, name: str) -> Exception | None:
+    """The error for a gradient the engine cannot push (named after its parameter), or None."""
+    if g is None:
+        return None
+    if g.shape != p.shape:
+        return ValueError(
+            f"the gradient of parameter {name} has shape {tuple(g.shape)}, but the parameter has shape "
+            f"{tuple(p.shape)}; assign a gradient of the parameter's shape, or None"
+        )
+    if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return TypeError(
+            f"the gradient of parameter {name} has dtype {g.dtype}; pyasync pushes float32, float16 and "
+            "bfloat16 gradients"
+        )
+    if g.device != p.device:
+        return ValueError(f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}")
+    return None
 
 
 def check_grads(params: list[torch.Tensor], names: list[str]) -> None:
     """A clear error, naming the parameter, for a gradient the engine cannot push (before anything is
     sent: the optimizer stays usable)."""
     for i, p in enumerate(params):
-        g = p.grad
-        if g is None:
-            continue
-        name = names[i]
-        if g.shape != p.shape:
-            raise ValueError(
-                f"the gradient of parameter {name} has shape {tuple(g.shape)}, but the parameter has shape "
-                f"{tuple(p.shape)}; assign a gradient of the parameter's shape, or None"
-            )
-        if g.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(
-                f"the gradient of parameter {name} has dtype {g.dtype}; pyasync pushes float32, float16 and "
-                "bfloat16 gradients"
-            )
-        if g.device != p.device:
-            raise ValueError(
-                f"the gradient of parameter {name} is on {g.device}, the parameter on {p.device}"
-            )
+        err = grad_problem(p, p.grad, names[i])
+        if err is not None:
+            raise err
+
+
+def dense(g: torch.Tensor) -> torch.Tensor:
+    """A contiguous dense copy of a sparse or strided gradient (flatten needs contiguous tensors)."""
+    if g.layout != torch.strided:
+        g = g.to_dense()
+    return g if g.is_contiguous() else g.contiguous()
 
 
 def grad_stamp(g: torch.Tensor | None) -> tuple[object, int]:
@@ -102,6 +113,11 @@ class Capture:
                 self._hand(b)
 
     def _hand(self, b: int) -> None:
+        # A gradient the engine cannot push (wrong shape or dtype, e.g. through .data) is not handed
+        # over: step() names it, and the bucket is handed over once it is right (a later backward, or
+        # flush() in step()).
+        if any(grad_problem(self.params[p], self.params[p].grad, "") for p in self.layouts[b].params):
+            return
         self.stamps[b] = [grad_stamp(self.params[p].grad) for p in self.layouts[b].params]
         self.hand_over(b)
 

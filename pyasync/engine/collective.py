@@ -31,7 +31,6 @@ Note [BSP on collectives]
 from __future__ import annotations
 
 import datetime
-import logging
 import math
 import threading
 from collections.abc import Iterator
@@ -43,18 +42,17 @@ import torch.distributed as dist
 from pyasync.engine import wire
 from pyasync.engine.access import ShardAccess, initial_masters
 from pyasync.engine.capture import Capture, check_grads
-from pyasync.engine.clock import as_raised
+from pyasync.engine.failures import EngineBase
 from pyasync.engine.meet import collective_failure, roll_call
 from pyasync.engine.reduce import StepReduce
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
-from pyasync.errors import NonFiniteGradientError, PeerFailure
+from pyasync.errors import PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
 
 __all__ = ["CollectiveEngine"]
 
-_log = logging.getLogger("pyasync")
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROLL_CALL = datetime.timedelta(seconds=5)  # how long survivors wait for each other to name the absent
@@ -84,7 +82,7 @@ class _Here:
         return [fn(self)]
 
 
-class CollectiveEngine(StepReduce):
+class CollectiveEngine(StepReduce, EngineBase):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
 
     def __init__(
@@ -114,17 +112,14 @@ class CollectiveEngine(StepReduce):
         self.device = params[0].device
         self.codec = compressor.wire_params(1)[0]
         self.cond = threading.Condition()
-        self.error: BaseException | None = None
-        self.reported = False
+        self.init_failures()
         self.clock = 0
         self.closed = False
         self.grad_norm: float | None = None
         self.wait_seconds = 0.0
         self.st = Stats()
-        self.logged = False
         self.raw_bytes = 0  # fp32 bytes of the slices encoded (compressed pushes)
         self.enc_bytes = 0  # their encoded bytes
-        self.bad: list[tuple[int, int]] = []  # (bucket, step) of this rank's non-finite pushes, for "raise"
         masters = initial_masters(params, layouts, rank)
         self.owned = {
             b: _Owned(_Book(0, [0] * world_size), rule.new_state(layouts[b].shards[rank], masters[b]))
@@ -135,21 +130,6 @@ class CollectiveEngine(StepReduce):
         self._plan()
 
     # -- errors -------------------------------------------------------------------------------------
-    def check(self) -> None:
-        if self.error is not None:
-            self.reported = True
-            raise as_raised(self.error)
-
-    def _sticky(self, e: BaseException) -> None:
-        if self.error is None:
-            self.error = e
-        self.reported = True
-
-    def _require_open(self, what: str) -> None:
-        if self.closed:
-            raise RuntimeError(f"{what} after close(): call it before close()")
-        self.check()
-
     def _collective(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, group=self.control, **kwargs)
@@ -207,15 +187,9 @@ class CollectiveEngine(StepReduce):
             self.capture.next_clock()
         self.clock = t + 1
         self.st.pushes_sent += sum(1 for lay in self.layouts for sh in lay.shards if sh.numel)
-        bad, self.bad = [b for b, c in self.bad if c == t], []
-        if bad and self.on_nonfinite == "raise":
-            names = [self.names[p] for b in bad for p in self.layouts[b].params][:8]
-            raise NonFiniteGradientError(
-                f"pyasync: non-finite gradient (NaN or Inf) in buckets {bad} (parameters: "
-                f"{', '.join(names)}) at step {t} on rank "
-                f"{self.rank}; the push was skipped (not applied) and the step completed. Fix the loss or "
-                "lower the learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
-            )
+        with self.cond:
+            bad = self._take_nonfinite(t)
+        self._raise_nonfinite(bad, self.on_nonfinite)
 
     def owned_version(self, b: int, r: int) -> int:
         own = self.owned.get(b) if r == self.rank else None
@@ -285,23 +259,6 @@ class CollectiveEngine(StepReduce):
         self.st.pushes_applied += self.n - bad
         self.st.staleness[0] = self.st.staleness.get(0, 0) + self.n - bad
 
-    def _nonfinite(self, b: int, t: int) -> None:
-        if (b, t) in self.bad:
-            return
-        self.bad.append((b, t))
-        if not self.logged:
-            self.logged = True
-            names = [self.names[p] for p in self.layouts[b].params][:8]
-            _log.warning(
-                "pyasync: non-finite gradient (NaN or Inf) in bucket %d at step %d on rank %d "
-                "(parameters: %s); the push is skipped, not applied (counted in "
-                "stats().nonfinite_skipped; logged once per rank)",
-                b,
-                t,
-                self.rank,
-                ", ".join(names),
-            )
-
     # -- the rest of the engine's narrow API ------------------------------------------------------------
     def no_sync(self) -> Iterator[None]:
         """Context: gradients accumulate over several backward() calls (nothing is read before step())."""
@@ -345,14 +302,17 @@ class CollectiveEngine(StepReduce):
                     "close()'s barrier", dist.monitored_barrier, timeout=self.timeout, wait_all_ranks=True
                 )
         finally:
-            if self.transport is not None:
-                (self.transport.close if self.error is None else self.transport.abort)()
+            if self.error is not None:
+                self.abort()
+            elif self.transport is not None:
+                self.transport.close()
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
+        """Stop (after a failure or without close()); the peers are told ``reason`` or this rank's failure."""
         self.closed = True
         self.capture.remove()
         if self.transport is not None:
-            self.transport.abort()
+            self.transport.abort(self.abort_reason(reason))
 
     def stats(self) -> Stats:
         st = Stats(**{k: v for k, v in vars(self.st).items() if k != "staleness"})

@@ -17,7 +17,6 @@ Flow of one step (clock t), see docs/architecture.md:
 from __future__ import annotations
 
 import datetime
-import logging
 import threading
 import traceback
 from collections.abc import Iterator
@@ -26,9 +25,10 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.access import ShardAccess, initial_masters
-from pyasync.engine.capture import Capture, check_grads
+from pyasync.engine.capture import Capture, check_grads, dense
 from pyasync.engine.clip import MeanClip
-from pyasync.engine.clock import as_raised, wait_until
+from pyasync.engine.clock import wait_until
+from pyasync.engine.failures import EngineBase
 from pyasync.engine.mailbox import Mailbox
 from pyasync.engine.messages import BucketReady, Commit, Control, Stop
 from pyasync.engine.owner import Owner
@@ -37,23 +37,13 @@ from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats, collect_stats
 from pyasync.engine.streams import record_event
-from pyasync.errors import NonFiniteGradientError, PeerFailure
+from pyasync.errors import PeerFailure
 from pyasync.policy import Policy
 from pyasync.transport.base import Transport
 
 __all__ = ["Engine"]
 
-_log = logging.getLogger("pyasync")
-
-
-def _dense(g: torch.Tensor) -> torch.Tensor:
-    """A contiguous dense copy of a sparse or strided gradient (flatten needs contiguous tensors)."""
-    if g.layout != torch.strided:
-        g = g.to_dense()
-    return g if g.is_contiguous() else g.contiguous()
-
-
-class Engine:
+class Engine(EngineBase):
     """One rank's worker and owner. Not thread-safe for the caller: drive it from one thread."""
 
     def __init__(
@@ -82,22 +72,19 @@ class Engine:
         self.gated = max_grad_norm is not None and policy.clips_mean and world_size > 1
         self.control = control  # the optimizer's private gloo group (the gates' all-reduce)
         self.grad_norm: float | None = None  # last clipped norm (mean gradient under BSP, else this push)
-        self.reported = False  # the recorded failure was raised to the caller at least once
         self.names = names if names is not None else [f"param{i}" for i in range(len(params))]
         self.on_nonfinite = on_nonfinite
         self.rank, self.n, self.timeout = rank, world_size, timeout
         self.transport = transport
         self.device = params[0].device
         self.cond = threading.Condition()
-        self.error: BaseException | None = None
+        self.init_failures()
         self.clock = 0
         self.closed = False
         self.wait_seconds = 0.0
         self.committed = -1  # the last clock whose pushes the push thread has sent
         self.in_flight: int | None = None  # a step whose pushes went out and that has not finished
         self.gated_done = -1  # the last clock whose gate (BSP clipping) this rank has run
-        self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
-        self.nonfinite_logged = False
         self.resumes = 0  # pauses ended: RESUMEs every owner expects
         keys = [(b, r) for b, lay in enumerate(layouts) for r in range(world_size) if lay.shards[r].numel > 0]
         self.mailbox = Mailbox(
@@ -170,23 +157,6 @@ class Engine:
                 self.error_trace = traceback.format_exc()
             self.cond.notify_all()
 
-    def _err(self) -> BaseException | None:
-        return self.error
-
-    def check(self) -> None:
-        """Raise the recorded failure, if any (see clock.as_raised)."""
-        if self.error is not None:
-            self.reported = True
-            raise as_raised(self.error)
-
-    def _sticky(self, e: BaseException) -> None:
-        """A call failed while the engine was mid-step: later calls keep failing with this cause."""
-        with self.cond:
-            if self.error is None:
-                self.error = e
-            self.reported = True
-            self.cond.notify_all()
-
     def _notify(self) -> None:
         with self.cond:
             self.cond.notify_all()
@@ -195,7 +165,7 @@ class Engine:
     def _hand_over(self, b: int) -> None:
         """Bucket b of the current clock goes to the push thread (caller holds cond)."""
         grads = [self.params[p].grad for p in self.layouts[b].params]
-        grads = [None if g is None else _dense(g) for g in grads]
+        grads = [None if g is None else dense(g) for g in grads]
         versions = {r: self.mailbox.installed_version.get((b, r), 0) for r in range(self.n)}
         self.pusher.q.put(BucketReady(b, self.clock, grads, versions, record_event(self.device)))
 
@@ -205,30 +175,6 @@ class Engine:
             if norm is not None:
                 self.grad_norm = norm
             self.cond.notify_all()
-
-    def _nonfinite_text(self, b: int, clock: int) -> str:
-        names = [self.names[p] for p in self.layouts[b].params]
-        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-        return (
-            f"non-finite gradient (NaN or Inf) in bucket {b} at step {clock} on rank {self.rank} "
-            f"(parameters: {shown})"
-        )
-
-    def _on_nonfinite(self, b: int, clock: int) -> None:
-        """A shard of bucket b held NaN/Inf (push thread): the owners skip that push. Log once per rank;
-        under on_nonfinite="raise", step() raises it."""
-        with self.cond:
-            if (b, clock) in self.nonfinite:
-                return
-            self.nonfinite.append((b, clock))
-            first = not self.nonfinite_logged
-            self.nonfinite_logged = True
-        if first:
-            _log.warning(
-                "pyasync: %s; the push is skipped, not applied (counted in stats().nonfinite_skipped; "
-                "logged once per rank)",
-                self._nonfinite_text(b, clock),
-            )
 
     # -- step ---------------------------------------------------------------------------------------
     def _missing(self, keys) -> str:
@@ -282,7 +228,7 @@ class Engine:
             raise err
         regrab = {
             b: [
-                None if self.params[p].grad is None else _dense(self.params[p].grad)
+                None if self.params[p].grad is None else dense(self.params[p].grad)
                 for p in self.layouts[b].params
             ]
             for b in changed
@@ -323,20 +269,17 @@ class Engine:
         except PeerFailure as e:
             self._sticky(e)
             raise
+        except TimeoutError as e:
+            self.timed_out = self.timed_out or e  # what a later abort() tells the peers first
+            raise
         with self.cond:
             self.capture.next_clock()
             self.clock = t + 1
             self.in_flight = None
-            bad = [(b, c) for b, c in self.nonfinite if c == t]
-            self.nonfinite = []
+            self.timed_out = None
+            bad = self._take_nonfinite(t)
         self.mailbox.install()
-        if bad and self.on_nonfinite == "raise":
-            raise NonFiniteGradientError(
-                "pyasync: "
-                + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
-                + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
-                "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
-            )
+        self._raise_nonfinite(bad, self.on_nonfinite)
 
     def max_norm_each(self) -> float | None:
         """The norm each push is clipped to (None: no per-push clipping)."""
@@ -363,13 +306,6 @@ class Engine:
         self.owner.wait_resumed(self.resumes, self.timeout, self._err)
 
     # -- state (between steps) ----------------------------------------------------------------------
-    def _require_open(self, what: str) -> None:
-        if self.closed:
-            raise RuntimeError(
-                f"{what} after close(): the optimizer's threads are stopped; call it before close()"
-            )
-        self.check()
-
     def drain(self, want: list[int]) -> None:
         """Wait (at most the timeout) until every owned shard has processed ``want[w]`` pushes from each
         worker w, pushes still on the network included."""
@@ -421,10 +357,12 @@ class Engine:
             else:
                 self.abort()
 
-    def abort(self) -> None:
-        """Stop every engine thread at once (after a failure): wake what waits, join, close the sockets."""
+    def abort(self, reason: str | None = None) -> None:
+        """Stop every engine thread at once (after a failure): wake what waits, join, close the sockets.
+        The peers are told ``reason``, else this rank's failure, if there is one (so a rank that gives up
+        is not mistaken for the first failure)."""
         if self.transport is not None:
-            self.transport.abort()
+            self.transport.abort(self.abort_reason(reason))
         self.owner.abort()
         self.pusher.q.put(Stop(None))
         for t in self.threads():

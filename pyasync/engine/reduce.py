@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pyasync.engine import wire
+from pyasync.engine.capture import dense
 from pyasync.errors import ProtocolError
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.ops import codecs as ops_codecs
@@ -19,7 +20,7 @@ __all__ = ["StepReduce"]
 
 class StepReduce:
     """Mixin of CollectiveEngine: expects layouts, spec, comp, params, rank, n, st, raw_bytes,
-    enc_bytes and the engine's _collective, _wait, _sticky, _count, _nonfinite and owned_version."""
+    enc_bytes and the engine's _collective, _wait, _sticky, _count, _on_nonfinite and owned_version."""
 
     # -- layout of one step's buffers -------------------------------------------------------------------
     def _plan(self) -> None:
@@ -47,7 +48,7 @@ class StepReduce:
         out = []
         for p in self.layouts[b].params:
             g = self.params[p].grad
-            out.append(None if g is None else (g.to_dense() if g.layout != torch.strided else g).contiguous())
+            out.append(None if g is None else dense(g))
         return out
 
     def _reduce_dense(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
@@ -77,7 +78,7 @@ class StepReduce:
                 if bad:
                     chunk.zero_()  # counts as zeros in the mean, as in the point-to-point BSP
                     if not skip:
-                        self._nonfinite(b, t)
+                        self._on_nonfinite(b, t)
                 ex = buf[off + numel : off + numel + extras]
                 ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
                 ex[-2] = float(bad)
@@ -145,7 +146,7 @@ class StepReduce:
                 if skip:
                     self.comp.undo((b, r))
                 elif not payload.finite:
-                    self._nonfinite(b, t)
+                    self._on_nonfinite(b, t)
                 mask_v.copy_(torch.tensor([has[s] for s in sh.slots], dtype=torch.uint8))
                 h = wire.Header(
                     kind=wire.PUSH,

@@ -82,8 +82,9 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
 
-    def abort(self) -> None:
-        """Stop at once, after a failure: wake every thread waiting on the transport if it can."""
+    def abort(self, reason: str | None = None) -> None:
+        """Stop at once, after a failure: wake every thread waiting on the transport if it can, and tell
+        the peers ``reason`` (the failure this rank stopped for) if the transport can carry it."""
         self.close()
 
     def wait_failures(self, seconds: float) -> dict[int, str]:

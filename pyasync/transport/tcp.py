@@ -16,9 +16,11 @@ Note [Why sockets]
     receiver that stops reading (a bounded intake, see pyasync/engine/owner.py).
 
 Wire: every message is an 8-byte little-endian length, then that many bytes. A length of ``BYE`` says
-the sender closed cleanly: its connection's end is not a failure. Connections are set up once: every
-rank listens, the ranks all-gather (address, port) on a gloo group with the job's token, and rank i
-connects to every rank j > i once per flow, with a handshake (magic, token, rank, flow) that the
+the sender closed cleanly: its connection's end is not a failure. A length of ``GAVE_UP``, then a
+length and a text, says the sender stopped because of a failure of its own (``abort(reason)``): its
+peers report that reason, so the first cause travels instead of "rank i died". Connections are set up
+once: every rank listens, the ranks all-gather (address, port) on a gloo group with the job's token,
+and rank i connects to every rank j > i once per flow, with a handshake (magic, token, rank, flow) that the
 accepting side checks. ``PYASYNC_SOCKET_ADDR`` sets the address a rank announces (default: the address
 of this host that reaches ``MASTER_ADDR``, else its hostname's address, else 127.0.0.1).
 """
@@ -49,6 +51,7 @@ _MAGIC = 0x5059415359544350  # "PYASYTCP"
 _HANDSHAKE = struct.Struct("<qqqq")  # magic, token, rank, flow
 _LEN = struct.Struct("<Q")
 BYE = (1 << 64) - 1
+GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
 _BUF_BYTES = 4 << 20  # socket send / receive buffer asked for
 
 
@@ -210,8 +213,13 @@ class TcpTransport(Transport):
         for s in readable:
             f, peer = socks[s]
             try:
-                if s.recv(1, socket.MSG_PEEK) == b"":
+                head = s.recv(_LEN.size, socket.MSG_PEEK)
+                if head == b"":
                     self._fail(peer, f"its connection on flow {f} ended without a goodbye")
+                elif len(head) == _LEN.size and _LEN.unpack(head)[0] == GAVE_UP:
+                    s.settimeout(1.0)
+                    with contextlib.suppress(PeerFailure):
+                        self._read_one(s, peer, f, torch.empty(0, dtype=torch.uint8))
             except OSError as e:
                 self._fail(peer, f"its connection on flow {f} broke ({e})", e)
 
@@ -305,6 +313,10 @@ class TcpTransport(Transport):
                 self._gone[flow].add(peer)
                 self._sel[flow].unregister(s)
                 return False
+            if n == GAVE_UP:
+                (m,) = _LEN.unpack(_recv_exact(s, _LEN.size))
+                why = bytes(_recv_exact(s, min(m, 1 << 16))).decode(errors="replace")
+                raise self._fail(peer, f"it stopped after a failure of its own ({why})")
             view = _bytes(buf)
             if n > len(view):
                 raise ValueError(
@@ -342,18 +354,37 @@ class TcpTransport(Transport):
                     pass
         self._shutdown()
 
-    def abort(self) -> None:
+    def abort(self, reason: str | None = None) -> None:
         """Stop at once: every thread waiting on this transport wakes with TransportClosed (receives) or
-        an error (sends); peers see the connections end without a goodbye."""
+        an error (sends); peers see the connections end without a goodbye, or, given ``reason``, are
+        told it (on each connection no send is using at this moment)."""
         if self._closed:
             return
         with self._readers_lock:
             self._closed = True  # first: a receiver woken by the shutdown below must see why
+        if reason is not None:
+            self._tell(reason.encode()[: 1 << 16])
         for f in FLOWS:
             for s in self._socks[f].values():
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
         self._shutdown()
+
+    def _tell(self, why: bytes) -> None:
+        """A GAVE_UP message on every live connection whose send lock is free (a send in the middle of a
+        message cannot be interrupted; that peer sees the connection end without a goodbye)."""
+        for f in FLOWS:
+            for peer, s in self._socks[f].items():
+                lock = self._locks[(f, peer)]
+                if peer in self._failed or not lock.acquire(timeout=0.05):
+                    continue
+                try:
+                    s.settimeout(1.0)
+                    s.sendall(_LEN.pack(GAVE_UP) + _LEN.pack(len(why)) + why)
+                except OSError:
+                    pass
+                finally:
+                    lock.release()
 
     def _shutdown(self) -> None:
         with self._readers_lock:  # no reader may release the wake-up pipes while they are written

@@ -1,0 +1,100 @@
+"""What both engines (engine.py, collective.py) do alike with failures and non-finite pushes: one error
+slot (the first failure wins; every later call raises it), the reason a rank that stops tells its
+peers, and non-finite gradients (logged once per rank, raised by step() under on_nonfinite="raise")."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pyasync.engine.clock import as_raised
+from pyasync.errors import NonFiniteGradientError
+
+__all__ = ["EngineBase"]
+
+_log = logging.getLogger("pyasync")
+
+
+class EngineBase:
+    """Expects ``cond``, ``rank``, ``names``, ``layouts`` and ``closed``; calls ``init_failures()``."""
+
+    cond: threading.Condition
+
+    def init_failures(self) -> None:
+        self.error: BaseException | None = None
+        self.reported = False  # the recorded failure was raised to the caller at least once
+        self.timed_out: TimeoutError | None = None  # the first timeout of a step still in flight
+        self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
+        self.nonfinite_logged = False
+
+    # -- the error slot ---------------------------------------------------------------------------------
+    def _err(self) -> BaseException | None:
+        return self.error
+
+    def check(self) -> None:
+        """Raise the recorded failure, if any (see clock.as_raised)."""
+        if self.error is not None:
+            self.reported = True
+            raise as_raised(self.error)
+
+    def _sticky(self, e: BaseException) -> None:
+        """A call failed while the engine was mid-step: later calls keep failing with this cause."""
+        with self.cond:
+            if self.error is None:
+                self.error = e
+            self.reported = True
+            self.cond.notify_all()
+
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{what} after close(): call it before close()")
+        self.check()
+
+    def abort_reason(self, reason: str | None) -> str | None:
+        """What a rank that stops tells its peers: ``reason``, else its failure (the first timeout of the
+        step in flight first), so a rank that gives up is not mistaken for the first failure."""
+        if reason is None and self.error is not None:
+            reason = f"{type(self.error).__name__}: {self.error}"
+            if self.timed_out is not None and self.timed_out is not self.error:
+                reason = f"TimeoutError: {self.timed_out}; then {reason}"
+        return reason
+
+    # -- non-finite pushes ------------------------------------------------------------------------------
+    def _nonfinite_text(self, b: int, clock: int) -> str:
+        names = [self.names[p] for p in self.layouts[b].params]
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        return (
+            f"non-finite gradient (NaN or Inf) in bucket {b} at step {clock} on rank {self.rank} "
+            f"(parameters: {shown})"
+        )
+
+    def _on_nonfinite(self, b: int, clock: int) -> None:
+        """A shard of bucket b held NaN/Inf: the owners skip that push. Logged once per rank; under
+        on_nonfinite="raise", step() raises it (``_raise_nonfinite``)."""
+        with self.cond:
+            if (b, clock) in self.nonfinite:
+                return
+            self.nonfinite.append((b, clock))
+            first = not self.nonfinite_logged
+            self.nonfinite_logged = True
+        if first:
+            _log.warning(
+                "pyasync: %s; the push is skipped, not applied (counted in stats().nonfinite_skipped; "
+                "logged once per rank)",
+                self._nonfinite_text(b, clock),
+            )
+
+    def _take_nonfinite(self, t: int) -> list[tuple[int, int]]:
+        """The non-finite pushes of step ``t`` (caller holds cond); forgets every recorded one."""
+        bad = [(b, c) for b, c in self.nonfinite if c == t]
+        self.nonfinite = []
+        return bad
+
+    def _raise_nonfinite(self, bad: list[tuple[int, int]], on_nonfinite: str) -> None:
+        if bad and on_nonfinite == "raise":
+            raise NonFiniteGradientError(
+                "pyasync: "
+                + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
+                + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
+                "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
+            )
