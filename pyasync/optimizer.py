@@ -28,7 +28,7 @@ from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
 from pyasync.engine.collective import CollectiveEngine
 from pyasync.engine.engine import Engine
-from pyasync.engine.meet import collective_failure, control_group, join
+from pyasync.engine.meet import collective_failure, control_group, gave_up, join
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
@@ -51,12 +51,26 @@ def _destroy(group) -> None:
         )
 
 
+def _tell_peers(process_group, timeout, e: BaseException) -> None:
+    """This rank's construction failed before the meeting: tell the other ranks (best effort)."""
+    with contextlib.suppress(Exception):
+        if (
+            isinstance(timeout, datetime.timedelta)
+            and dist.is_initialized()
+            and dist.get_rank(process_group) >= 0
+            and dist.get_world_size(process_group) > 1
+        ):
+            join(process_group, timeout, "the construction of the DistributedOptimizer", failed=e)
+
+
 def _abandon(engine: Engine, control) -> None:
     """The optimizer went away (or the interpreter exits) without close(): stop the engine's threads."""
     if not engine.closed:
         engine.closed = True
         engine.capture.remove()
-        engine.abort()
+        engine.abort(
+            "it left without close() (its DistributedOptimizer was dropped, or the interpreter exited)"
+        )
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -120,81 +134,93 @@ class DistributedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         grad_edits: str = "detect",
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError(
-                "optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once"
-            )
-        other = getattr(optimizer, "_pyasync_wrapper", lambda: None)()
-        if other is not None and not other.closed:
-            raise TypeError(
-                f"this {type(optimizer).__name__} is already wrapped by an open DistributedOptimizer "
-                f"({other!r}); "
-                "wrap a torch optimizer once (or close() the first wrapper before wrapping it again)"
-            )
-        self._policy = parse_policy(policy)
-        self._comp = _compression.from_spec(compression)
-        check_options(
-            bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm
-        )
-        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        if grad_edits not in ("detect", "forbid"):
-            raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
-        self._grad_edits = grad_edits
-        if grad_edits == "forbid" and max_grad_norm is not None and not self._policy.clips_mean:
-            raise ValueError(
-                f"max_grad_norm under {self._policy.spec()} clips each push before it is sent, which "
-                "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
-            )
-        self._group = process_group
-        self._rank = dist.get_rank(process_group)
-        if self._rank < 0:
-            raise ValueError("this rank is not a member of process_group")
-        self._world = dist.get_world_size(process_group)
-        self._policy.validate(self._world)
-        self._timeout = timeout
-
-        # Shared with the wrapped optimizer (lr schedulers work on either).
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self._optimizer_step_pre_hooks: dict = OrderedDict()
-        self._optimizer_step_post_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
-        self._engine: Engine | CollectiveEngine | None = None
-
-        self._params, groups, self._names = trainable_params(self.param_groups, named_parameters)
-        cap = max(1, int(bucket_cap_mb * (1 << 20)))
-        assign = compute_bucket_assignment_by_size(
-            [p.numel() * p.element_size() for p in self._params],
-            [str(p.dtype) for p in self._params],
-            [str(p.device) for p in self._params],
-            cap,
-        )
-        self._layouts = build_layout(assign, [p.numel() for p in self._params], groups, self._world)
-        self._rule = UpdateRule(optimizer)
-
-        if max_grad_norm is not None and self._policy.clips_mean and self._world > 1:
-            empty = [r for r in range(self._world) if not any(lay.shards[r].numel for lay in self._layouts)]
-            if empty:
-                raise ValueError(
-                    f"max_grad_norm under {self._policy.spec()} needs every rank to own part of the "
-                    "parameters, "
-                    f"but ranks {empty} own none (the model has fewer elements per bucket than ranks)"
+        # Everything checked locally first. A rank whose checks fail still tells the others (at the
+        # meeting: they raise a PeerFailure naming it at once, and the meetings stay numbered alike).
+        try:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            if isinstance(optimizer, DistributedOptimizer):
+                raise TypeError(
+                    "optimizer is already a DistributedOptimizer; wrap the plain torch optimizer once"
                 )
+            other = getattr(optimizer, "_pyasync_wrapper", lambda: None)()
+            if other is not None and not other.closed:
+                raise TypeError(
+                    f"this {type(optimizer).__name__} is already wrapped by an open DistributedOptimizer "
+                    f"({other!r}); "
+                    "wrap a torch optimizer once (or close() the first wrapper before wrapping it again)"
+                )
+            self._policy = parse_policy(policy)
+            self._comp = _compression.from_spec(compression)
+            check_options(
+                bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm
+            )
+            self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+            if grad_edits not in ("detect", "forbid"):
+                raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
+            self._grad_edits = grad_edits
+            if grad_edits == "forbid" and max_grad_norm is not None and not self._policy.clips_mean:
+                raise ValueError(
+                    f"max_grad_norm under {self._policy.spec()} clips each push before it is sent, which "
+                    "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
+                )
+            self._group = process_group
+            self._rank = dist.get_rank(process_group)
+            if self._rank < 0:
+                raise ValueError("this rank is not a member of process_group")
+            self._world = dist.get_world_size(process_group)
+            self._policy.validate(self._world)
+            self._timeout = timeout
+
+            # Shared with the wrapped optimizer (lr schedulers work on either).
+            self.optimizer = optimizer
+            self.defaults = optimizer.defaults
+            self.param_groups = optimizer.param_groups
+            self.state = optimizer.state
+            self._optimizer_step_pre_hooks: dict = OrderedDict()
+            self._optimizer_step_post_hooks: dict = OrderedDict()
+            self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+            self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+            self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+            self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+            self._engine: Engine | CollectiveEngine | None = None
+
+            self._params, groups, self._names = trainable_params(self.param_groups, named_parameters)
+            cap = max(1, int(bucket_cap_mb * (1 << 20)))
+            assign = compute_bucket_assignment_by_size(
+                [p.numel() * p.element_size() for p in self._params],
+                [str(p.dtype) for p in self._params],
+                [str(p.device) for p in self._params],
+                cap,
+            )
+            self._layouts = build_layout(assign, [p.numel() for p in self._params], groups, self._world)
+            self._rule = UpdateRule(optimizer)
+
+            if max_grad_norm is not None and self._policy.clips_mean and self._world > 1:
+                empty = [
+                    r for r in range(self._world) if not any(lay.shards[r].numel for lay in self._layouts)
+                ]
+                if empty:
+                    raise ValueError(
+                        f"max_grad_norm under {self._policy.spec()} needs every rank to own part of the "
+                        "parameters, "
+                        f"but ranks {empty} own none (the model has fewer elements per bucket than ranks)"
+                    )
+        except Exception as e:
+            _tell_peers(process_group, timeout, e)
+            raise
 
         # Meet (bounded, naming who is missing), then the optimizer's own group, transport, agreement and
         # rank 0's values: collectives in the training thread, before any engine thread starts.
         self._control = None
         tp = None
         if self._world > 1:
-            join(process_group, timeout, "the construction of the DistributedOptimizer")
-            self._control = control_group(process_group, timeout)
+            what = "the construction of the DistributedOptimizer"
+            keys = join(process_group, timeout, what)
+            try:
+                self._control = control_group(process_group, timeout)
+            except Exception as e:  # the others may have given up just as this rank met them
+                raise (gave_up(keys, what) or e) from e
             try:
                 tp = (transport or TcpTransport)(self._control, timeout)
                 if not isinstance(tp, Transport):

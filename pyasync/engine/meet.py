@@ -12,6 +12,7 @@ ranks the transport saw fail, when it saw any.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from pyasync.errors import PeerFailure
 
-__all__ = ["collective_failure", "control_group", "join", "roll_call", "store"]
+__all__ = ["collective_failure", "control_group", "gave_up", "join", "roll_call", "store"]
 
 _generation = itertools.count()  # joins made by this process (the same sequence on every rank)
 
@@ -39,29 +40,77 @@ def _global_ranks(group) -> list[int]:
     return [dist.get_global_rank(group, r) for r in range(n)] if group is not None else list(range(n))
 
 
-def join(group, timeout: datetime.timedelta, what: str) -> None:
+_OK, _GONE, _FAILED = "ok", "gone", "failed: "
+
+
+def join(group, timeout: datetime.timedelta, what: str, failed: BaseException | None = None) -> list[str]:
     """Wait until every rank of ``group`` reached this point (at most ``timeout``); PeerFailure naming the
-    ranks that did not (by their rank in ``group``) otherwise."""
+    ranks that did not (by their rank in ``group``) otherwise. Returns the meeting's store keys (for
+    ``gave_up``).
+
+    Each rank writes its key: "ok"; "failed: <error>" when ``failed`` is given (this rank's own
+    construction failed before the meeting: it tells the others at once, returns, and the caller raises
+    its error); "gone" once it gave up waiting, so a rank that comes later is told who gave up. Every
+    rank joins every meeting, failed or not, so the meetings stay numbered alike on every rank."""
     ranks = _global_ranks(group)
     if len(ranks) == 1:
-        return
+        return []
     gen = next(_generation)
     st = store()
     if st is None:  # no store: gloo's monitored barrier names at least the missing ranks on rank 0
-        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-        return
+        if failed is None:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+        return []
     prefix = f"pyasync/join/{gen}/{'-'.join(map(str, ranks))}"
     keys = [f"{prefix}/{g}" for g in ranks]
-    st.set(keys[ranks.index(dist.get_rank())], "1")
+    me = keys[ranks.index(dist.get_rank())]
+    if failed is not None:
+        st.set(me, (_FAILED + f"{type(failed).__name__}: {failed}")[:4000])
+        return keys
+    st.set(me, _OK)
     try:
         st.wait(keys, timeout)
     except Exception as e:
         missing = [r for r, k in enumerate(keys) if not st.check([k])]
+        with contextlib.suppress(Exception):
+            st.set(me, _GONE)
         raise PeerFailure(
             f"pyasync: ranks {missing} did not reach {what} within {timeout.total_seconds():g} s "
             "(late, hung or dead); every rank of the process group must create the optimizer",
             missing,
         ) from e
+    bad = gave_up(keys, what)
+    if bad is not None:
+        raise bad
+    return keys
+
+
+def gave_up(keys: list[str], what: str) -> PeerFailure | None:
+    """After a meeting: a PeerFailure naming the ranks whose construction failed or that gave up waiting
+    (their keys say so), or None when every rank says "ok"."""
+    st = store()
+    if st is None or not keys:
+        return None
+    try:
+        values = [st.get(k).decode(errors="replace") if st.check([k]) else _GONE for k in keys]
+    except Exception:
+        return None
+    failed = {r: v[len(_FAILED) :] for r, v in enumerate(values) if v.startswith(_FAILED)}
+    gone = [r for r, v in enumerate(values) if v == _GONE]
+    if failed:
+        ranks = sorted(failed)
+        return PeerFailure(
+            f"pyasync: ranks {ranks} failed before {what}: "
+            + "; ".join(f"rank {r}: {failed[r]}" for r in ranks),
+            ranks,
+        )
+    if gone:
+        return PeerFailure(
+            f"pyasync: ranks {gone} gave up waiting for this rank at {what} (it came later than their "
+            "timeout); start every rank's construction within the timeout",
+            gone,
+        )
+    return None
 
 
 def roll_call(group, tag: str, wait: datetime.timedelta) -> list[int]:
@@ -113,7 +162,7 @@ def collective_failure(e: BaseException, transport, what: str) -> BaseException:
     if failed:
         ranks = sorted(failed)
         err = PeerFailure(
-            f"pyasync: {what} failed: rank(s) {ranks} failed ({'; '.join(failed[r] for r in ranks)})", ranks
+            f"pyasync: {what} failed: " + "; ".join(f"rank {r} failed: {failed[r]}" for r in ranks), ranks
         )
         err.__cause__ = e
         return err
