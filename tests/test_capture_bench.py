@@ -1,5 +1,5 @@
 """Smoke test of bench/capture.py: its measurement function on a tiny MLP, 2 workers, BSP and ASP, every
-mode, 3 buckets.
+mode, 3 buckets (and the point-to-point BSP).
 
 Checks the record schema, that the ratios are the ratios of the record's own figures, and that the
 buckets were encoded again in step() exactly where the gradients were edited (or scaled, or clipped by
@@ -68,7 +68,7 @@ def test_capture_measure_tiny(tmp_path):
     # of every gradient, so the engine clips every ASP push.
     cfg = capture.Config(
         models=("mlp",),
-        policies=("bsp", "asp"),
+        policies=("bsp", "bsp:p2p", "asp"),
         bucket_mb=(("mlp", 0.001),),
         workers=2,
         batch_size=16,
@@ -82,7 +82,7 @@ def test_capture_measure_tiny(tmp_path):
     )
     records = capture.measure(cfg)
     assert [(r["policy"], r["mode"]) for r in records] == [
-        (p, m) for p in ("bsp", "asp") for m in capture.MODES
+        (p, m) for p in ("bsp", "bsp:p2p", "asp") for m in capture.MODES
     ]
     for r in records:
         assert set(r) == FIELDS, set(r) ^ FIELDS
@@ -95,7 +95,7 @@ def test_capture_measure_tiny(tmp_path):
         assert r["ms_per_step"] > 0 and r["ms_min"] <= r["ms_per_step"] and r["ms_iqr"] >= 0
         assert r["cpu_ms_per_rank_step"] >= 0
         assert r["machine"]["torch"] and r["command"]
-    for policy in ("bsp", "asp"):
+    for policy in ("bsp", "bsp:p2p", "asp"):
         by_mode = {r["mode"]: r for r in records if r["policy"] == policy}
         forbid, detect = by_mode["forbid"]["ms_per_step"], by_mode["detect"]["ms_per_step"]
         assert by_mode["forbid"]["ratio_vs_forbid"] == by_mode["forbid"]["paired_ratio_vs_forbid"] == 1.0
@@ -109,10 +109,12 @@ def test_capture_measure_tiny(tmp_path):
                 assert r["ratio_vs_baseline"] == pytest.approx(want)
         # Encoded again in step(): every bucket of every step where .grad was edited (mul_, clip_grad_norm_)
         # or scaled (GradScaler), and where the engine clipped a push (ASP's max_grad_norm); never without
-        # an edit, and never for BSP's max_grad_norm, which clips the mean at the owners.
+        # an edit, and never for BSP's max_grad_norm, which clips the mean at the owners. BSP on
+        # collectives reads .grad in step() only: nothing is encoded early, so nothing again.
         reencoded = {mode: r["buckets_reencoded_per_step"] for mode, r in by_mode.items()}
-        expected = {"forbid": 0.0, "detect": 0.0, "mul": 3.0, "clip": 3.0, "autocast": 0.0, "amp": 3.0,
-                    "maxnorm": 3.0 if policy == "asp" else 0.0}
+        edited = 0.0 if policy == "bsp" else 3.0
+        expected = {"forbid": 0.0, "detect": 0.0, "mul": edited, "clip": edited, "autocast": 0.0,
+                    "amp": edited, "maxnorm": 3.0 if policy == "asp" else 0.0}
         assert reencoded == expected, (policy, reencoded)
     # The records are what --out writes: strict JSON.
     out = tmp_path / "capture.json"

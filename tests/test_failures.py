@@ -70,6 +70,15 @@ def _arm(opt, point: str, armed: list) -> None:
     """Make this rank SIGKILL itself at ``point`` of the step at which ``armed[0]`` is set."""
     if point == "step_pre_hook":  # inside step(), before anything is pushed
         opt.register_step_pre_hook(lambda *_: die() if armed[0] else None)
+    elif point == "mid_push" and not hasattr(opt.engine, "pusher"):  # BSP on collectives: between the
+        gather = opt.engine._gather  # reduce-scatter and the all-gather of the step
+
+        def die_before_gather(t):
+            if armed[0]:
+                die()
+            return gather(t)
+
+        opt.engine._gather = die_before_gather
     elif point == "mid_push":  # inside step(), in the push thread: one message of the step is out
         tp = opt.engine.transport
         send = tp.send
@@ -380,7 +389,7 @@ def test_startup_checks_and_misuse():
     assert e is not None and e["type"] == "TypeError" and "fc2.bias" in e["msg"] and "float64" in e["msg"], e
 
 
-def _bad_grad_early(rank, world, bad):
+def _bad_grad_early(rank, world, bad, policy):
     """As the gradient checks of _misuse, but the bad gradient is what the hooks hand to the push thread
     while backward runs: a hook registered before the optimizer's swaps ``.data`` at step 1."""
     torch.manual_seed(0)
@@ -393,7 +402,7 @@ def _bad_grad_early(rank, world, bad):
             p.grad.data = torch.zeros(3) if bad == "shape" else p.grad.double()
 
     target.register_post_accumulate_grad_hook(spoil)  # runs before the optimizer's own hook
-    opt = _wrap(torch.optim.SGD(model.parameters(), lr=0.1), policy="bsp",
+    opt = _wrap(torch.optim.SGD(model.parameters(), lr=0.1), policy=policy,
                 named_parameters=model.named_parameters())
     rec: dict = {"error": None, "retry": None}
     for t in range(3):
@@ -414,14 +423,11 @@ def _bad_grad_early(rank, world, bad):
     return rec
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: the push thread encodes the handed-over .grad tensors "
-                   "early, by reference; a gradient whose shape or dtype changed (through .data) fails the "
-                   "push thread with 'tensors[0] ...' (EngineError on every later call) before step() can "
-                   "name the parameter")
+@pytest.mark.parametrize("policy", ["bsp", "bsp:p2p", "asp"])
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
-def test_a_bad_gradient_encoded_early_is_named_and_leaves_the_optimizer_usable(bad):
+def test_a_bad_gradient_encoded_early_is_named_and_leaves_the_optimizer_usable(bad, policy):
     world = 2
-    res = run_workers(_bad_grad_early, world, args=(bad,), timeout=HARNESS_S)
+    res = run_workers(_bad_grad_early, world, args=(bad, policy), timeout=HARNESS_S)
     rec = res[world - 1]
     name = "fc1.weight" if bad == "shape" else "fc2.bias"
     e = rec["error"]
