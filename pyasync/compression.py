@@ -136,6 +136,14 @@ class Compressor:
             self._undoable.add(key)
         return payload
 
+    def encode_once(self, tensor: torch.Tensor, out: Payload | None = None) -> Payload:
+        """Encode ``tensor`` (contiguous fp32) with this codec and no residual of its own: for callers
+        whose error feeds back by construction (BSP's compressed replies encode master - replica)."""
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise TypeError("encode_once needs a contiguous float32 tensor")
+        flat = tensor.view(-1)
+        return _codecs.encode(self.name, flat, out=out, **self._encode_kwargs(flat.numel()))
+
     def undo(self, key: Hashable = None) -> None:
         """Take back the last ``compress`` of slot ``key``: its residual is again what it was before
         (the previous residual is still the spare buffer). For a payload that is never sent, e.g. one

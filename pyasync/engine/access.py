@@ -49,6 +49,7 @@ class ShardAccess:
     ) -> None:
         self.owner, self.rule, self.layouts, self.params = owner, rule, layouts, params
         self.rank, self.timeout, self.require_open = rank, timeout, require_open
+        self.written: Callable[[], None] = lambda: None  # install_values() changed the parameters
 
     def snapshot(self) -> dict[int, dict]:
         """This rank's shards: {bucket: {master, version, processed, optim}} (copies), taken in their
@@ -102,7 +103,8 @@ class ShardAccess:
         return out
 
     def install_values(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Write {(bucket, owner rank): shard values} into the local parameters."""
+        """Write {(bucket, owner rank): shard values} into the local parameters (``written`` is told)."""
+        self.written()
         with torch.no_grad():
             for (b, r), v in values.items():
                 lay = self.layouts[b]

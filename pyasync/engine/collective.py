@@ -43,13 +43,13 @@ from pyasync.engine import wire
 from pyasync.engine.access import ShardAccess, initial_masters
 from pyasync.engine.capture import Capture, check_grads
 from pyasync.engine.failures import EngineBase
+from pyasync.engine.gather import StepGather
 from pyasync.engine.meet import collective_failure, roll_call
 from pyasync.engine.reduce import StepReduce
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
 from pyasync.errors import PeerFailure
-from pyasync.ops import bucketing as ops_bucketing
 
 __all__ = ["CollectiveEngine"]
 
@@ -82,7 +82,7 @@ class _Here:
         return [fn(self)]
 
 
-class CollectiveEngine(StepReduce, EngineBase):
+class CollectiveEngine(StepReduce, StepGather, EngineBase):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
 
     def __init__(
@@ -125,9 +125,13 @@ class CollectiveEngine(StepReduce, EngineBase):
             b: _Owned(_Book(0, [0] * world_size), rule.new_state(layouts[b].shards[rank], masters[b]))
             for b in masters
         }
-        self.shards = ShardAccess(_Here(self.owned), rule, layouts, params, rank, timeout, self._require_open)
+        self.shards = ShardAccess(
+            _Here(self.owned), rule, layouts, params, rank, timeout, self._require_open
+        )
         self.capture = Capture(params, layouts, self.cond, lambda b: None)  # no_sync(); nothing early
         self._plan()
+        self._init_replies()
+        self.shards.written = self._touched  # a load changed the parameters: read the replica again
 
     # -- errors -------------------------------------------------------------------------------------
     def _collective(self, what: str, fn, *args, **kwargs):
@@ -182,7 +186,7 @@ class CollectiveEngine(StepReduce, EngineBase):
                 own.round.version += 1
                 self.st.updates_applied += 1
             own.round.processed = [t + 1] * self.n
-        self._gather(t)
+        self._gather_step(t)
         with self.cond:
             self.capture.next_clock()
         self.clock = t + 1
@@ -207,51 +211,6 @@ class CollectiveEngine(StepReduce, EngineBase):
         if coef < 1.0:
             for v, _, _ in means.values():
                 v.mul_(coef)
-
-    def _gather(self, t: int) -> None:
-        """All-gather every bucket's new shard values and write them into the parameters."""
-        works = []
-        for b in range(len(self.layouts)):
-            width = self.width[b]
-            if width == 0:
-                continue
-            mine = torch.zeros(width)
-            own = self.owned.get(b)
-            if own is not None:
-                mine[: own.state.master.numel()].copy_(own.state.master)
-            out = torch.empty(width * self.n)
-            self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
-            if self.n > 1:
-                works.append(
-                    (
-                        b,
-                        out,
-                        self._collective(
-                            "the all-gather of the new values",
-                            _all_gather_single,
-                            out,
-                            mine,
-                            async_op=True,
-                        ),
-                    )
-                )
-            else:
-                out.copy_(mine)
-                works.append((b, out, None))
-        with torch.no_grad():
-            for b, out, work in works:
-                if work is not None:
-                    self._wait(work, "the all-gather of the new values")
-                lay, width = self.layouts[b], self.width[b]
-                dst = [self.params[p].data for p in lay.params]
-                for r, sh in enumerate(lay.shards):
-                    if sh.numel:
-                        ops_bucketing.unflatten(
-                            out[r * width : r * width + sh.numel].to(self.device),
-                            dst,
-                            lay.offsets,
-                            begin=sh.begin,
-                        )
 
     # -- counters -----------------------------------------------------------------------------------
     def _count(self, b: int, bad: int) -> None:
@@ -285,6 +244,9 @@ class CollectiveEngine(StepReduce, EngineBase):
     def threads(self) -> list[threading.Thread]:
         return []
 
+    def _touched(self) -> None:
+        self.replica_stale = True
+
     def close(self) -> None:
         """Every rank leaves together (a bounded barrier on the optimizer's group); replicas are already
         equal after every step. After a failure: raise it unless a call already did."""
@@ -297,6 +259,8 @@ class CollectiveEngine(StepReduce, EngineBase):
                 if not self.reported:
                     self.check()
                 return
+            if self.compress_replies:
+                self._gather(self.clock)  # end on the exact masters (Note [Compressed replies])
             if self.n > 1:
                 self._collective(
                     "close()'s barrier", dist.monitored_barrier, timeout=self.timeout, wait_all_ranks=True

@@ -99,12 +99,14 @@ class WireSpec:
                 f"{h.numel}, expected {n}"
             )
 
-    def check_push(self, h: Header) -> None:
-        """Validate a PUSH header addressed to this rank (before receiving its payload)."""
+    def check_push(self, h: Header, shard: int | None = None) -> None:
+        """Validate a PUSH header addressed to this rank (before receiving its payload); or, given
+        ``shard``, a push-layout frame of that shard's values (BSP's compressed replies)."""
         if h.kind != PUSH:
             raise WireError(f"expected a PUSH from rank {h.sender}, got {KIND_NAMES[h.kind]}")
-        if h.shard != self.rank:
-            raise WireError(f"PUSH from rank {h.sender} is for shard {h.shard}, but this is rank {self.rank}")
+        want = self.rank if shard is None else shard
+        if h.shard != want:
+            raise WireError(f"PUSH from rank {h.sender} is for shard {h.shard}, expected shard {want}")
         self._bucket(h, "PUSH")
         if h.clock < 0 or h.version < 0:
             raise WireError(

@@ -1,0 +1,182 @@
+"""The gather half of a BSP step on collectives (Note [BSP on collectives] in engine/collective.py):
+every owner's new shard values reach every rank, as fp32 values (uncompressed) or as compressed deltas
+(Note [Compressed replies])."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pyasync.engine import wire
+from pyasync.errors import ProtocolError
+from pyasync.ops import bucketing as ops_bucketing
+from pyasync.ops import codecs as ops_codecs
+
+__all__ = ["StepGather"]
+
+# torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class StepGather:
+    """Mixin of CollectiveEngine: expects layouts, params, owned, rank, n, device, spec, comp, clock, st,
+    width, frames and the engine's _collective and _wait.
+
+    Note [Compressed replies]
+        With a lossy compressor, replies are compressed too: each owner sends every rank the change that
+        takes the values all ranks hold (the replica, the same on every rank under BSP) towards its fp32
+        master: delta = master - replica, encoded once (no residual of its own: what the encoding drops
+        stays in the next delta, since the replica is what was decoded, so the error feeds back by
+        construction). ``all_gather`` of one push-layout frame per owner (the header says owner, step and
+        codec, and is checked on receipt), then every rank decodes every owner's frame in the same way
+        into its replica and installs it: the replicas stay bit-identical across ranks; they trail the
+        masters by what the codec dropped. ``close()`` gathers the exact masters once, so a run ends on
+        the masters, as uncompressed BSP does. The replica costs one fp32 copy of the parameters per
+        rank; state access (checkpoint loads) marks it stale, and it is read back from the parameters.
+    """
+
+    def _init_replies(self) -> None:
+        self.compress_replies = self.comp.lossy
+        self.replica: list[torch.Tensor] = []
+        self.replica_stale = True
+        if self.compress_replies:
+            self.replica = [torch.zeros(lay.numel) for lay in self.layouts]
+            self.reply_width = [max(sizes) if sizes else 0 for sizes in self.frames]
+
+    def _read_replica(self) -> None:
+        """The replica from the parameters (at start, and after state access changed them)."""
+        for b, lay in enumerate(self.layouts):
+            if lay.numel:
+                src = [self.params[p].detach().reshape(-1).float().cpu() for p in lay.params]
+                ops_bucketing.flatten(src, self.replica[b], lay.offsets, numels=lay.numels)
+        self.replica_stale = False
+
+    def _gather_step(self, t: int) -> None:
+        if self.compress_replies:
+            self._gather_deltas(t)
+        else:
+            self._gather(t)
+
+    def _gather_deltas(self, t: int) -> None:
+        """All-gather every owner's encoded delta (Note [Compressed replies]); decode into the replica and
+        install it."""
+        if self.replica_stale:
+            self._read_replica()
+        works = []
+        for b in range(len(self.layouts)):
+            width = self.reply_width[b]
+            if width == 0:
+                continue
+            mine = torch.zeros(width, dtype=torch.uint8)
+            own = self.owned.get(b)
+            if own is not None:
+                self._encode_delta(b, t, own, mine)
+            out = torch.empty(width * self.n, dtype=torch.uint8)
+            self.st.bytes_sent += width * (self.n - 1)
+            if self.n > 1:
+                w = self._collective(
+                    "the all-gather of the new values", _all_gather_single, out, mine, async_op=True
+                )
+            else:
+                out.copy_(mine)
+                w = None
+            works.append((b, out, w))
+        with torch.no_grad():
+            for b, out, work in works:
+                if work is not None:
+                    self._wait(work, "the all-gather of the new values")
+                self._install_deltas(b, t, out)
+
+    def _encode_delta(self, b: int, t: int, own, frame: torch.Tensor) -> None:
+        sh = self.layouts[b].shards[self.rank]
+        delta = own.state.master.view(-1).float().cpu() - self.replica[b][sh.begin : sh.end]
+        codec, block, k = self.comp.wire_params(sh.numel)
+        out, mask_v, body = wire.push_views(frame, codec, sh.numel, block, k, len(sh.segments))
+        payload = self.comp.encode_once(delta, out=out)
+        if not payload.finite:
+            raise ProtocolError(
+                f"pyasync: the values of bucket {b} shard {self.rank} are not finite after step {t} "
+                "(a diverged update: lower the learning rate)"
+            )
+        mask_v.fill_(1)
+        h = wire.Header(
+            kind=wire.PUSH,
+            sender=self.rank,
+            clock=t,
+            version=own.round.version,
+            bucket=b,
+            shard=self.rank,
+            codec=wire.CODEC_IDS[codec],
+            numel=sh.numel,
+            nbytes=0,
+            k=k,
+            block=block,
+            flags=wire.FLAG_FINITE,
+            count=len(sh.segments),
+        )
+        wire.seal(frame, h, body)
+        self.raw_bytes += 4 * sh.numel
+        self.enc_bytes += payload.nbytes
+
+    def _install_deltas(self, b: int, t: int, out: torch.Tensor) -> None:
+        lay, width = self.layouts[b], self.reply_width[b]
+        dst = [self.params[p].data for p in lay.params]
+        for r, sh in enumerate(lay.shards):
+            if sh.numel == 0:
+                continue
+            frame = out[r * width : (r + 1) * width]
+            h = wire.frame_header(frame, r)
+            self.spec.check_push(h, shard=r)
+            if h.clock != t or h.sender != r:
+                raise ProtocolError(
+                    f"the values of rank {r} carry step {h.clock} (sender {h.sender}); this is step {t}"
+                )
+            payload, _ = wire.unpack_push(wire.frame_body(frame, h), h)
+            rep = self.replica[b][sh.begin : sh.end]
+            ops_codecs.decode(payload, out=rep, alpha=1.0, accumulate=True, validate=False)
+            ops_bucketing.unflatten(rep.to(self.device), dst, lay.offsets, begin=sh.begin)
+
+    def _gather(self, t: int) -> None:
+        """All-gather every bucket's new shard values and write them into the parameters."""
+        works = []
+        for b in range(len(self.layouts)):
+            width = self.width[b]
+            if width == 0:
+                continue
+            mine = torch.zeros(width)
+            own = self.owned.get(b)
+            if own is not None:
+                mine[: own.state.master.numel()].copy_(own.state.master)
+            out = torch.empty(width * self.n)
+            self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
+            if self.n > 1:
+                works.append(
+                    (
+                        b,
+                        out,
+                        self._collective(
+                            "the all-gather of the new values",
+                            _all_gather_single,
+                            out,
+                            mine,
+                            async_op=True,
+                        ),
+                    )
+                )
+            else:
+                out.copy_(mine)
+                works.append((b, out, None))
+        with torch.no_grad():
+            for b, out, work in works:
+                if work is not None:
+                    self._wait(work, "the all-gather of the new values")
+                lay, width = self.layouts[b], self.width[b]
+                dst = [self.params[p].data for p in lay.params]
+                for r, sh in enumerate(lay.shards):
+                    if sh.numel:
+                        ops_bucketing.unflatten(
+                            out[r * width : r * width + sh.numel].to(self.device),
+                            dst,
+                            lay.offsets,
+                            begin=sh.begin,
+                        )
