@@ -95,3 +95,37 @@ def test_compressed_replies_cut_the_bytes():
         # int8: 1 byte per value + a scale per 256-value block + 128-byte headers, both directions.
         assert ratio < 0.3, f"rank {r}: int8 BSP sent {ratio:.3f}x the uncompressed bytes"
         assert plain[r]["gaps"] == [0.0] * STEPS  # uncompressed: the replicas are the masters
+
+
+def _uneven(rank, world, codec):
+    import pyasync
+
+    model = _model()
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        policy="bsp",
+        compression=codec,
+        bucket_cap_mb=0.01,
+        max_grad_norm=1.0,  # the norm's all-reduce runs in the joined steps too
+        timeout=TIMEOUT,
+    )
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(3 if rank == 0 else 6):  # rank 0 stops early: its close() serves the others' steps
+        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 32, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.close()
+    st = opt.stats()
+    return _flat(model), st.pushes_applied, len([b for b in range(len(opt.bucket_layouts))])
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_rank_that_closes_early_serves_the_others_steps(codec):
+    world = 3
+    res = run_workers(_uneven, world, args=(codec,), timeout=240)
+    for r in range(world):
+        assert torch.equal(res[r][0], res[0][0]), f"rank {r}: replicas differ after close()"
+        # Each owned shard applied every stepping rank's push: 3 + 6 + 6 per step-bucket, never a
+        # joined rank's zeros.
+        assert res[r][1] == (3 + 6 * (world - 1)) * res[r][2], (r, res[r][1])

@@ -25,7 +25,18 @@ Note [BSP on collectives]
       rank, so replicas are equal after every step.
 
     The gradient is read from ``.grad`` in ``step()``, so what the caller leaves there is what is
-    reduced (Note [What step() pushes]); every rank must take the same number of steps, as with DDP.
+    reduced (Note [What step() pushes]).
+
+Note [Joining]
+    The contract of close() holds under BSP too: a rank may stop early, and its close() returns once
+    every rank closed, its shards served until then. Every chunk of the reduce carries an "active" flag
+    (and the clock x active): a closed rank joins each step the others still take with zeros, no
+    has-grad and active 0 (compressed: a FINAL push frame of zeros, encoded without its residuals), and
+    keeps applying and gathering its shards. The mean still divides by n (a closed worker counts as
+    zeros, as in the point-to-point BSP), and only the stepping ranks' pushes are counted. Every rank
+    puts the count of stepping ranks its shards saw at the end of its gather slot, so every rank learns
+    it; the first step in which it is 0 (every rank in close()) ends the joining. Like DDP's Join, with
+    no extra collective per step.
 """
 
 from __future__ import annotations
@@ -113,6 +124,8 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
         self.codec = compressor.wire_params(1)[0]
         self.cond = threading.Condition()
         self.init_failures()
+        self.rounds = 0  # step collectives run (steps and joins)
+        self.seen_active = -1  # ranks that pushed in the last step, as this rank's shards saw it
         self.clock = 0
         self.closed = False
         self.grad_norm: float | None = None
@@ -151,12 +164,12 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
         transport) or that did not come (a roll call through the store), kept for every later call."""
         err = collective_failure(e, self.transport, f"{what} of step {self.clock}")
         if not isinstance(err, PeerFailure):
-            missing = roll_call(self.control, f"step{self.clock}", min(self.timeout, _ROLL_CALL))
+            missing = roll_call(self.control, f"round{self.rounds}", min(self.timeout, _ROLL_CALL))
             if missing:
                 err = PeerFailure(
                     f"pyasync: ranks {missing} did not reach step {self.clock} ({what}) within "
-                    f"{self.timeout.total_seconds():g} s: late, hung or dead (under BSP every rank takes "
-                    "the same number of steps, as with DDP)",
+                    f"{self.timeout.total_seconds():g} s: late, hung or dead (under BSP every rank steps "
+                    "together; a rank that stops early must call close())",
                     missing,
                 )
             else:
@@ -171,12 +184,27 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
             raise RuntimeError("step() called after close(); create a new DistributedOptimizer")
         self.check()
         check_grads(self.params, self.names)
-        scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         t = self.clock
+        self._run(1.0 if grad_scale is None else 1.0 / float(grad_scale), found_inf, active=True)
+        with self.cond:
+            self.capture.next_clock()
+        self.clock = t + 1
+        self.st.pushes_sent += sum(1 for lay in self.layouts for sh in lay.shards if sh.numel)
+        with self.cond:
+            bad = self._take_nonfinite(t)
+        self._raise_nonfinite(bad, self.on_nonfinite)
+
+    def _run(self, scale: float, skip: bool, active: bool) -> int:
+        """One step's collectives: reduce, clip, apply the owned shards, gather. ``active`` False: this
+        rank closed and joins the others' step with nothing to push (Note [Joining]). Returns how many
+        ranks pushed in this step (every rank learns it from the gather)."""
+        t = self.clock
+        self.seen_active = -1
+        self.rounds += 1  # the same sequence on every rank, stepping or joining (roll-call tags)
         if self.codec == "none":
-            means = self._reduce_dense(scale, found_inf, t)
+            means = self._reduce_dense(scale, skip, t, active)
         else:
-            means = self._reduce_encoded(scale, found_inf, t)
+            means = self._reduce_encoded(scale, skip, t, active)
         if self.max_grad_norm is not None:
             self._clip(means)
         for b, (values, mask, applied) in means.items():
@@ -186,14 +214,7 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
                 own.round.version += 1
                 self.st.updates_applied += 1
             own.round.processed = [t + 1] * self.n
-        self._gather_step(t)
-        with self.cond:
-            self.capture.next_clock()
-        self.clock = t + 1
-        self.st.pushes_sent += sum(1 for lay in self.layouts for sh in lay.shards if sh.numel)
-        with self.cond:
-            bad = self._take_nonfinite(t)
-        self._raise_nonfinite(bad, self.on_nonfinite)
+        return self._gather_step(t)
 
     def owned_version(self, b: int, r: int) -> int:
         own = self.owned.get(b) if r == self.rank else None
@@ -213,10 +234,10 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
                 v.mul_(coef)
 
     # -- counters -----------------------------------------------------------------------------------
-    def _count(self, b: int, bad: int) -> None:
+    def _count(self, b: int, bad: int, stepping: int) -> None:
         self.st.nonfinite_skipped += bad
-        self.st.pushes_applied += self.n - bad
-        self.st.staleness[0] = self.st.staleness.get(0, 0) + self.n - bad
+        self.st.pushes_applied += stepping - bad
+        self.st.staleness[0] = self.st.staleness.get(0, 0) + stepping - bad
 
     # -- the rest of the engine's narrow API ------------------------------------------------------------
     def no_sync(self) -> Iterator[None]:
@@ -259,6 +280,9 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
                 if not self.reported:
                     self.check()
                 return
+            if self.n > 1:
+                while self._run(1.0, False, active=False) > 0:
+                    pass  # serve the ranks still stepping until every rank closed (Note [Joining])
             if self.compress_replies:
                 self._gather(self.clock)  # end on the exact masters (Note [Compressed replies])
             if self.n > 1:

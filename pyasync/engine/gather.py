@@ -51,13 +51,20 @@ class StepGather:
                 ops_bucketing.flatten(src, self.replica[b], lay.offsets, numels=lay.numels)
         self.replica_stale = False
 
-    def _gather_step(self, t: int) -> None:
+    def _gather_step(self, t: int) -> int:
+        """Gather the new values; returns how many ranks pushed in this step (Note [Joining])."""
         if self.compress_replies:
-            self._gather_deltas(t)
-        else:
-            self._gather(t)
+            return self._gather_deltas(t)
+        return self._gather(t)
 
-    def _gather_deltas(self, t: int) -> None:
+    def _tail(self, out: torch.Tensor, stride: int) -> int:
+        """The largest count of pushing ranks any owner saw: every rank's slot of a gather ends with
+        its count (a float64, as 8 bytes in the compressed gather)."""
+        rows = out.view(self.n, stride)
+        cells = rows[:, -8:].contiguous().view(torch.float64) if out.dtype == torch.uint8 else rows[:, -1:]
+        return round(float(cells.max()))
+
+    def _gather_deltas(self, t: int) -> int:
         """All-gather every owner's encoded delta (Note [Compressed replies]); decode into the replica and
         install it."""
         if self.replica_stale:
@@ -67,11 +74,12 @@ class StepGather:
             width = self.reply_width[b]
             if width == 0:
                 continue
-            mine = torch.zeros(width, dtype=torch.uint8)
+            mine = torch.zeros(width + 8, dtype=torch.uint8)  # + the pushing ranks seen (float64: aligned)
             own = self.owned.get(b)
             if own is not None:
-                self._encode_delta(b, t, own, mine)
-            out = torch.empty(width * self.n, dtype=torch.uint8)
+                self._encode_delta(b, t, own, mine[:width])
+            mine[width:].copy_(torch.tensor([float(self.seen_active)], dtype=torch.float64).view(torch.uint8))
+            out = torch.empty((width + 8) * self.n, dtype=torch.uint8)
             self.st.bytes_sent += width * (self.n - 1)
             if self.n > 1:
                 w = self._collective(
@@ -86,6 +94,7 @@ class StepGather:
                 if work is not None:
                     self._wait(work, "the all-gather of the new values")
                 self._install_deltas(b, t, out)
+        return self._tail(works[0][1], self.reply_width[works[0][0]] + 8)
 
     def _encode_delta(self, b: int, t: int, own, frame: torch.Tensor) -> None:
         sh = self.layouts[b].shards[self.rank]
@@ -102,7 +111,7 @@ class StepGather:
         h = wire.Header(
             kind=wire.PUSH,
             sender=self.rank,
-            clock=t,
+            clock=self.rounds,  # the step collectives' count: the same on every rank, joining or not
             version=own.round.version,
             bucket=b,
             shard=self.rank,
@@ -124,30 +133,32 @@ class StepGather:
         for r, sh in enumerate(lay.shards):
             if sh.numel == 0:
                 continue
-            frame = out[r * width : (r + 1) * width]
+            frame = out[r * (width + 8) : r * (width + 8) + width]
             h = wire.frame_header(frame, r)
             self.spec.check_push(h, shard=r)
-            if h.clock != t or h.sender != r:
+            if h.clock != self.rounds or h.sender != r:
                 raise ProtocolError(
-                    f"the values of rank {r} carry step {h.clock} (sender {h.sender}); this is step {t}"
+                    f"the values of rank {r} carry round {h.clock} (sender {h.sender}); this is round "
+                    f"{self.rounds} (step {t})"
                 )
             payload, _ = wire.unpack_push(wire.frame_body(frame, h), h)
             rep = self.replica[b][sh.begin : sh.end]
             ops_codecs.decode(payload, out=rep, alpha=1.0, accumulate=True, validate=False)
             ops_bucketing.unflatten(rep.to(self.device), dst, lay.offsets, begin=sh.begin)
 
-    def _gather(self, t: int) -> None:
+    def _gather(self, t: int) -> int:
         """All-gather every bucket's new shard values and write them into the parameters."""
         works = []
         for b in range(len(self.layouts)):
             width = self.width[b]
             if width == 0:
                 continue
-            mine = torch.zeros(width)
+            mine = torch.zeros(width + 1)  # + the pushing ranks seen
             own = self.owned.get(b)
             if own is not None:
                 mine[: own.state.master.numel()].copy_(own.state.master)
-            out = torch.empty(width * self.n)
+            mine[width] = float(self.seen_active)
+            out = torch.empty((width + 1) * self.n)
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
             if self.n > 1:
                 works.append(
@@ -170,13 +181,14 @@ class StepGather:
             for b, out, work in works:
                 if work is not None:
                     self._wait(work, "the all-gather of the new values")
-                lay, width = self.layouts[b], self.width[b]
+                lay, stride = self.layouts[b], self.width[b] + 1
                 dst = [self.params[p].data for p in lay.params]
                 for r, sh in enumerate(lay.shards):
                     if sh.numel:
                         ops_bucketing.unflatten(
-                            out[r * width : r * width + sh.numel].to(self.device),
+                            out[r * stride : r * stride + sh.numel].to(self.device),
                             dst,
                             lay.offsets,
                             begin=sh.begin,
                         )
+        return self._tail(works[0][1], self.width[works[0][0]] + 1)

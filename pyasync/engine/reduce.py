@@ -31,7 +31,7 @@ class StepReduce:
         for lay in self.layouts:
             off, rows = 0, []
             for sh in lay.shards:
-                extras = len(sh.segments) + 2  # has-grad per segment, non-finite flag, clock
+                extras = len(sh.segments) + 3  # has-grad per segment, non-finite, active, clock x active
                 rows.append((off, sh.numel, extras))
                 off += sh.numel + extras
             self.chunks.append(rows)
@@ -51,12 +51,15 @@ class StepReduce:
             out.append(None if g is None else dense(g))
         return out
 
-    def _reduce_dense(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
-        """Uncompressed: per bucket, the reduce-scatter of chunks (values x scale / n, then extras)."""
+    def _reduce_dense(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
+        """Uncompressed: per bucket, the reduce-scatter of chunks (values x scale / n, then extras). A
+        rank that closed (``active`` False) joins with zeros and no gradient (Note [Joining])."""
         works = []
         for b, lay in enumerate(self.layouts):
             buf, rows = self.rs_buf[b], self.chunks[b]
-            grads = self._grads(b)
+            grads = self._grads(b) if active else [None] * len(lay.params)
+            if not active:
+                buf.zero_()
             srcs, offs, lens = [], [], []
             for (off, _, _), sh in zip(rows, lay.shards):
                 for seg in sh.segments:
@@ -81,8 +84,9 @@ class StepReduce:
                         self._on_nonfinite(b, t)
                 ex = buf[off + numel : off + numel + extras]
                 ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
-                ex[-2] = float(bad)
-                ex[-1] = float(t)
+                ex[-3] = float(bad)
+                ex[-2] = float(active)
+                ex[-1] = float(t if active else 0)
             inputs = [buf[off : off + numel + extras] for off, numel, extras in rows]
             self.st.bytes_sent += 4 * (buf.numel() - inputs[self.rank].numel())  # what leaves this rank
             mine = rows[self.rank]
@@ -108,28 +112,32 @@ class StepReduce:
             if numel == 0:
                 continue
             ex = out[numel:]
-            if round(float(ex[-1])) != self.n * t:
+            stepping = round(float(ex[-2]))
+            if active and round(float(ex[-1])) != stepping * t:
                 err = ProtocolError(
-                    f"pyasync: the ranks are not on the same step (this is step {t}, the clocks sum to "
-                    f"{float(ex[-1]):g}); under BSP every rank takes the same number of steps"
+                    f"pyasync: the ranks are not on the same step (this is step {t}, the clocks of the "
+                    f"{stepping} stepping ranks sum to {float(ex[-1]):g}); under BSP every rank steps "
+                    "together (a rank that stops early calls close())"
                 )
                 self._sticky(err)
                 raise err
-            bad = round(float(ex[-2]))
-            mask = [bool(x > 0) for x in ex[: extras - 2].tolist()]
-            self._count(b, bad)
-            means[b] = (out[:numel], mask, self.n - bad)
+            bad = round(float(ex[-3]))
+            mask = [bool(x > 0) for x in ex[: extras - 3].tolist()]
+            self._count(b, bad, stepping)
+            self.seen_active = stepping
+            means[b] = (out[:numel], mask, stepping - bad)
         return means
 
-    def _reduce_encoded(self, scale: float, skip: bool, t: int) -> dict[int, tuple]:
+    def _reduce_encoded(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
         """Compressed: per bucket, every slice encoded into a push frame, an all-to-all, then this rank's
-        frames decoded and summed in rank order."""
+        frames decoded and summed in rank order. A rank that closed sends FINAL frames of zeros with
+        no gradient, encoded without touching its residuals (Note [Joining])."""
         means = {}
         for b, lay in enumerate(self.layouts):
-            flat = torch.empty(lay.numel)
-            grads = self._grads(b)
+            flat = torch.zeros(lay.numel)
+            grads = self._grads(b) if active else [None] * len(lay.params)
             has = [g is not None for g in grads]
-            if lay.numel:
+            if lay.numel and active:
                 ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
             sizes = self.frames[b]
             send = torch.zeros(sum(sizes), dtype=torch.uint8)
@@ -140,10 +148,13 @@ class StepReduce:
                 codec, block, k = self.comp.wire_params(sh.numel)
                 fr = send[off : off + sizes[r]]
                 out, mask_v, body = wire.push_views(fr, codec, sh.numel, block, k, len(sh.segments))
-                payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
+                if active:
+                    payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
+                else:
+                    payload = self.comp.encode_once(flat[sh.begin : sh.end], out=out)
                 self.raw_bytes += 4 * sh.numel
                 self.enc_bytes += payload.nbytes
-                if skip:
+                if skip and active:
                     self.comp.undo((b, r))
                 elif not payload.finite:
                     self._on_nonfinite(b, t)
@@ -160,7 +171,8 @@ class StepReduce:
                     nbytes=0,
                     k=k,
                     block=block,
-                    flags=wire.FLAG_FINITE if payload.finite and not skip else 0,
+                    flags=(wire.FLAG_FINITE if payload.finite and not skip else 0)
+                    | (0 if active else wire.FLAG_FINAL),
                     count=len(sh.segments),
                 )
                 wire.seal(fr, h, body)
@@ -184,12 +196,15 @@ class StepReduce:
                 continue
             agg = torch.zeros(sh.numel)
             mask = [False] * len(sh.segments)
-            bad = 0
+            bad = stepping = 0
             for w in range(self.n):  # rank order: the sum does not depend on arrival
                 frame = recv[w * mine : (w + 1) * mine]
                 h = wire.frame_header(frame, w)
-                self.spec.check_push(h)
-                if h.clock != t:
+                self.spec.check_push(h, final_ok=True)
+                if h.final:
+                    continue  # rank w closed and joins this step with nothing to push
+                stepping += 1
+                if active and h.clock != t:
                     raise ProtocolError(f"PUSH from rank {w} carries step {h.clock}, this is step {t}")
                 payload, m = wire.unpack_push(wire.frame_body(frame, h), h)
                 if not payload.finite:
@@ -197,6 +212,7 @@ class StepReduce:
                     continue
                 ops_codecs.decode(payload, out=agg, alpha=1.0 / self.n, accumulate=True, validate=False)
                 mask = [a or bool(x) for a, x in zip(mask, m.tolist())]
-            self._count(b, bad)
-            means[b] = (agg, mask, self.n - bad)
+            self._count(b, bad, stepping)
+            self.seen_active = stepping
+            means[b] = (agg, mask, stepping - bad)
         return means

@@ -99,9 +99,10 @@ class WireSpec:
                 f"{h.numel}, expected {n}"
             )
 
-    def check_push(self, h: Header, shard: int | None = None) -> None:
+    def check_push(self, h: Header, shard: int | None = None, final_ok: bool = False) -> None:
         """Validate a PUSH header addressed to this rank (before receiving its payload); or, given
-        ``shard``, a push-layout frame of that shard's values (BSP's compressed replies)."""
+        ``shard``, a push-layout frame of that shard's values (BSP's compressed replies). ``final_ok``:
+        a FINAL push is a closed rank joining a BSP step on collectives with nothing to push."""
         if h.kind != PUSH:
             raise WireError(f"expected a PUSH from rank {h.sender}, got {KIND_NAMES[h.kind]}")
         want = self.rank if shard is None else shard
@@ -124,7 +125,7 @@ class WireSpec:
         want_mask = self.mask_lens[h.bucket][h.shard]
         if h.count != want_mask:
             raise WireError(f"PUSH from rank {h.sender} has {h.count} mask entries, expected {want_mask}")
-        if h.final:
+        if h.final and not final_ok:
             raise WireError(f"PUSH from rank {h.sender} carries the FINAL flag")
         _, total = push_parts(self.codec, h.numel, h.block, h.k, h.count)
         if h.nbytes != total:
