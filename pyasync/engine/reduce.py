@@ -17,6 +17,9 @@ from pyasync.ops import codecs as ops_codecs
 
 __all__ = ["StepReduce"]
 
+# torch 2.13 renamed reduce_scatter_tensor; older releases only have the old name.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class StepReduce:
     """Mixin of CollectiveEngine: expects layouts, spec, comp, params, rank, n, st, raw_bytes,
@@ -28,20 +31,22 @@ class StepReduce:
         padded all-gather width."""
         self.chunks: list[list[tuple[int, int, int]]] = []  # bucket -> per shard (offset, numel, extras)
         self.frames: list[list[int]] = []  # bucket -> per shard: push frame bytes
+        self.stride: list[int] = []  # bucket -> chunk stride: every chunk padded to the largest
         for lay in self.layouts:
-            off, rows = 0, []
-            for sh in lay.shards:
-                extras = len(sh.segments) + 3  # has-grad per segment, non-finite, active, clock x active
-                rows.append((off, sh.numel, extras))
-                off += sh.numel + extras
-            self.chunks.append(rows)
+            # has-grad per segment, non-finite, active, clock x active
+            sizes = [(sh.numel, len(sh.segments) + 3) for sh in lay.shards]
+            stride = max(a + e for a, e in sizes)
+            self.chunks.append([(r * stride, a, e) for r, (a, e) in enumerate(sizes)])
+            self.stride.append(stride)
             self.frames.append(
                 [
                     wire.HEADER_BYTES + self.spec.push_bytes(lay.index, r) if sh.numel else 0
                     for r, sh in enumerate(lay.shards)
                 ]
             )
-        self.rs_buf = [torch.zeros(rows[-1][0] + rows[-1][1] + rows[-1][2]) for rows in self.chunks]
+        # One tensor per bucket, n equal chunks: gloo's reduce-scatter of one tensor costs about an
+        # all-reduce, its reduce-scatter of a list of tensors more than twice that.
+        self.rs_buf = [torch.zeros(stride * self.n) for stride in self.stride]
         self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
 
     def _grads(self, b: int) -> list[torch.Tensor | None]:
@@ -87,23 +92,17 @@ class StepReduce:
                 ex[-3] = float(bad)
                 ex[-2] = float(active)
                 ex[-1] = float(t if active else 0)
-            inputs = [buf[off : off + numel + extras] for off, numel, extras in rows]
-            self.st.bytes_sent += 4 * (buf.numel() - inputs[self.rank].numel())  # what leaves this rank
-            mine = rows[self.rank]
-            out = torch.empty(mine[1] + mine[2])
+            stride = self.stride[b]
+            self.st.bytes_sent += 4 * stride * (self.n - 1)  # what leaves this rank
+            out = torch.empty(stride)
             if self.n > 1:
-                works.append(
-                    (
-                        b,
-                        out,
-                        self._collective(
-                            "the gradient reduce-scatter", dist.reduce_scatter, out, inputs, async_op=True
-                        ),
-                    )
+                w = self._collective(
+                    "the gradient reduce-scatter", _reduce_scatter_single, out, buf, async_op=True
                 )
             else:
-                out.copy_(inputs[0])
-                works.append((b, out, None))
+                out.copy_(buf)
+                w = None
+            works.append((b, out, w))
         means = {}
         for b, out, work in works:
             if work is not None:
@@ -111,7 +110,7 @@ class StepReduce:
             numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
             if numel == 0:
                 continue
-            ex = out[numel:]
+            ex = out[numel : numel + extras]
             stepping = round(float(ex[-2]))
             if active and round(float(ex[-1])) != stepping * t:
                 err = ProtocolError(
