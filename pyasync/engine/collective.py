@@ -162,7 +162,9 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
     def _failure(self, what: str, e: BaseException) -> BaseException:
         """A collective of this step failed: a PeerFailure naming the ranks that died (seen by the
         transport) or that did not come (a roll call through the store), kept for every later call."""
-        err = collective_failure(e, self.transport, f"{what} of step {self.clock}")
+        # A dead rank's connections end at once (its kernel closes them): a short look suffices
+        # before the roll call, which then names ranks that hang.
+        err = collective_failure(e, self.transport, f"{what} of step {self.clock}", wait=1.0)
         if not isinstance(err, PeerFailure):
             missing = roll_call(self.control, f"round{self.rounds}", min(self.timeout, _ROLL_CALL))
             if missing:
@@ -300,7 +302,7 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
         self.closed = True
         self.capture.remove()
         if self.transport is not None:
-            self.transport.abort(self.abort_reason(reason))
+            self.transport.abort(self.abort_reason(reason), getattr(self.error, "ranks", None))
 
     def stats(self) -> Stats:
         st = Stats(**{k: v for k, v in vars(self.st).items() if k != "staleness"})

@@ -362,7 +362,7 @@ class Engine(EngineBase):
         The peers are told ``reason``, else this rank's failure, if there is one (so a rank that gives up
         is not mistaken for the first failure)."""
         if self.transport is not None:
-            self.transport.abort(self.abort_reason(reason))
+            self.transport.abort(self.abort_reason(reason), getattr(self.error, "ranks", None))
         self.owner.abort()
         self.pusher.q.put(Stop(None))
         for t in self.threads():

@@ -153,12 +153,12 @@ def control_group(group, timeout: datetime.timedelta):
     return g
 
 
-def collective_failure(e: BaseException, transport, what: str) -> BaseException:
+def collective_failure(e: BaseException, transport, what: str, wait: float = 5.0) -> BaseException:
     """The exception to raise for a collective ``what`` that failed with ``e``: a PeerFailure naming the
     ranks the transport saw fail (waiting briefly for its receivers to notice), else ``e`` itself."""
     if isinstance(e, PeerFailure):
         return e
-    failed = transport.wait_failures(5.0) if transport is not None else {}
+    failed = transport.wait_failures(wait) if transport is not None else {}
     if failed:
         ranks = sorted(failed)
         err = PeerFailure(

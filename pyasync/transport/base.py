@@ -82,9 +82,10 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release the transport's resources (idempotent)."""
 
-    def abort(self, reason: str | None = None) -> None:
+    def abort(self, reason: str | None = None, ranks: list[int] | None = None) -> None:
         """Stop at once, after a failure: wake every thread waiting on the transport if it can, and tell
-        the peers ``reason`` (the failure this rank stopped for) if the transport can carry it."""
+        the peers ``reason`` (the failure this rank stopped for) and the ``ranks`` that failure named,
+        if the transport can carry them."""
         self.close()
 
     def wait_failures(self, seconds: float) -> dict[int, str]:

@@ -111,6 +111,7 @@ class TcpTransport(Transport):
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._gone: dict[str, set[int]] = {f: set() for f in FLOWS}  # peers that said BYE
         self._failed: dict[int, str] = {}  # rank -> what happened (first failure per rank)
+        self._left: dict[int, str] = {}  # ranks that stopped for others' failure -> why (not failed)
         self._failure = threading.Event()  # set when a peer fails
         self._readers = 0  # threads inside recv_any (they notice failures themselves)
         self._readers_lock = threading.Lock()
@@ -223,7 +224,27 @@ class TcpTransport(Transport):
             except OSError as e:
                 self._fail(peer, f"its connection on flow {f} broke ({e})", e)
 
+    def _gave_up(self, peer: int, msg: bytes) -> PeerFailure:
+        """``peer`` stopped after a failure of its own. When that failure named dead ranks, they are
+        the ones this rank reports too (so every survivor names the same ranks, whichever it heard of
+        first); otherwise ``peer`` is the failure."""
+        head, _, why = msg.decode(errors="replace").partition("\n")
+        ranks = sorted({int(x) for x in head.split(",") if x.strip().isdigit()} - {self.rank, peer})
+        if not ranks:
+            return self._fail(peer, f"it stopped after a failure of its own ({why})")
+        for r in ranks:
+            self._failed.setdefault(r, f"reported by rank {peer}, which stopped for it ({why})")
+        self._left[peer] = why
+        self._failure.set()
+        text = "; ".join(f"rank {r} failed: {self._failed[r]}" for r in ranks)
+        return PeerFailure(f"pyasync: {text}", ranks)
+
     def _fail(self, peer: int, what: str, cause: BaseException | None = None) -> PeerFailure:
+        if peer in self._left:  # it left after reporting others' failure: theirs is the cause
+            ranks = sorted(r for r in self._failed if r != peer)
+            return PeerFailure(
+                "pyasync: " + "; ".join(f"rank {r} failed: {self._failed[r]}" for r in ranks), ranks
+            )
         self._failed.setdefault(peer, what)
         self._failure.set()
         err = PeerFailure(f"pyasync: rank {peer} failed: {what}", [peer])
@@ -315,8 +336,7 @@ class TcpTransport(Transport):
                 return False
             if n == GAVE_UP:
                 (m,) = _LEN.unpack(_recv_exact(s, _LEN.size))
-                why = bytes(_recv_exact(s, min(m, 1 << 16))).decode(errors="replace")
-                raise self._fail(peer, f"it stopped after a failure of its own ({why})")
+                raise self._gave_up(peer, bytes(_recv_exact(s, min(m, 1 << 16))))
             view = _bytes(buf)
             if n > len(view):
                 raise ValueError(
@@ -354,16 +374,18 @@ class TcpTransport(Transport):
                     pass
         self._shutdown()
 
-    def abort(self, reason: str | None = None) -> None:
+    def abort(self, reason: str | None = None, ranks: list[int] | None = None) -> None:
         """Stop at once: every thread waiting on this transport wakes with TransportClosed (receives) or
         an error (sends); peers see the connections end without a goodbye, or, given ``reason``, are
-        told it (on each connection no send is using at this moment)."""
+        told it (on each connection no send is using at this moment), with the ranks whose failure
+        this rank stopped for, if it knows them."""
         if self._closed:
             return
         with self._readers_lock:
             self._closed = True  # first: a receiver woken by the shutdown below must see why
         if reason is not None:
-            self._tell(reason.encode()[: 1 << 16])
+            head = ",".join(str(r) for r in ranks or [])
+            self._tell(f"{head}\n{reason}".encode()[: 1 << 16])
         for f in FLOWS:
             for s in self._socks[f].values():
                 with contextlib.suppress(OSError):
