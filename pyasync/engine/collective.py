@@ -254,8 +254,13 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
         return None
 
     def drain(self, want: list[int]) -> None:
-        """Nothing to wait for: every step's update is applied before step() returns."""
+        """Nothing to wait for: every step's update is applied before step() returns. With compressed
+        replies (a checkpoint's drain, on every rank): gather the exact masters, so the saved state and
+        every replica agree and a resumed run is bit-identical to an uninterrupted one."""
         self.check()
+        if self.compress_replies:
+            self._gather(self.clock)
+            self.replica_stale = True
 
     @property
     def in_flight(self) -> None:

@@ -30,8 +30,9 @@ class StepGather:
         construction). ``all_gather`` of one push-layout frame per owner (the header says owner, step and
         codec, and is checked on receipt), then every rank decodes every owner's frame in the same way
         into its replica and installs it: the replicas stay bit-identical across ranks; they trail the
-        masters by what the codec dropped. ``close()`` gathers the exact masters once, so a run ends on
-        the masters, as uncompressed BSP does. The replica costs one fp32 copy of the parameters per
+        masters by what the codec dropped. ``close()`` and a checkpoint's drain gather the exact masters
+        once, so a run ends on the masters, as uncompressed BSP does, and a resumed run is bit-identical
+        to an uninterrupted one. The replica costs one fp32 copy of the parameters per
         rank; state access (checkpoint loads) marks it stale, and it is read back from the parameters.
     """
 
