@@ -105,9 +105,10 @@ class WireSpec:
         a FINAL push is a closed rank joining a BSP step on collectives with nothing to push."""
         if h.kind != PUSH:
             raise WireError(f"expected a PUSH from rank {h.sender}, got {KIND_NAMES[h.kind]}")
-        want = self.rank if shard is None else shard
-        if h.shard != want:
-            raise WireError(f"PUSH from rank {h.sender} is for shard {h.shard}, expected shard {want}")
+        if shard is None and h.shard != self.rank:
+            raise WireError(f"PUSH from rank {h.sender} is for shard {h.shard}, but this is rank {self.rank}")
+        if shard is not None and h.shard != shard:
+            raise WireError(f"values from rank {h.sender} are for shard {h.shard}, expected shard {shard}")
         self._bucket(h, "PUSH")
         if h.clock < 0 or h.version < 0:
             raise WireError(
