@@ -68,8 +68,17 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
     else:
         net = model
+        policy, _, transport = mode.partition("@")
+        factory = None
+        if transport == "gloo":
+            from pyasync.transport.gloo import GlooTransport as factory
+        elif transport not in ("", "tcp"):
+            raise SystemExit(f"unknown transport {transport!r} in mode {mode!r}: use @tcp or @gloo")
         opt = pyasync.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.05), policy=mode, timeout=datetime.timedelta(seconds=120)
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            policy=policy,
+            timeout=datetime.timedelta(seconds=120),
+            transport=factory,
         )
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, 64, generator=g)
@@ -124,7 +133,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="ddp,bsp,asp", help="comma-separated: ddp or a pyasync policy spec")
+    ap.add_argument(
+        "--modes",
+        default="ddp,bsp,asp",
+        help="comma-separated: ddp or a pyasync policy spec, optionally with @tcp (default) or @gloo, "
+        "the point-to-point transport (e.g. asp@gloo)",
+    )
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=200, help="timed steps per round")
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps before the barrier")
