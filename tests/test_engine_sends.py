@@ -69,7 +69,7 @@ def _many_steps(rank, world, policy):
         model(x).square().sum().backward()
         opt.step()
         eng = opt.engine
-        rings = [*eng.pusher.rings.values(), *eng.owner.rings.values()]
+        rings = [*eng.pusher.rings.values(), *eng.owner.replies.rings.values()]
         peak = max(peak, sum(f.handle is not None for r in rings for f in r.frames))
         n_frames = sum(len(r.frames) for r in rings)
         if step in (20, 59):

@@ -145,11 +145,18 @@ def test_check_reply():
         ({"shard": 1}, "does not own"),
         ({"count": 3}, "3 clocks"),
         ({"nbytes": 8}, "payload bytes"),
-        ({"codec": 3}, "codec/k/block"),
+        ({"codec": wire.CODEC_IDS["fp16"]}, "codec/k/block"),  # neither exact nor the agreed codec
+        ({"codec": 0, "block": 4}, "codec/k/block"),
+        ({"codec": wire.CODEC_IDS["int8"]}, "block/k 0/0, expected 4/0"),  # coded: the agreed block
         ({"numel": 4}, "numel 4, expected 5"),
     ]:
         with pytest.raises(WireError, match=match):
             s.check_reply(reply_header(**edit))
+    # A coded reply (the agreed codec int8, its block): the codec's payload and the clocks.
+    coded = {"codec": wire.CODEC_IDS["int8"], "block": 4, "nbytes": s.coded_reply_bytes(5)}
+    s.check_reply(reply_header(**coded))
+    with pytest.raises(WireError, match="payload bytes"):
+        s.check_reply(reply_header(**{**coded, "nbytes": wire.reply_parts(5, 2)[1]}))
     with pytest.raises(WireError, match="CLOSE"):
         s.check_close(reply_header(kind=wire.CLOSE))
 

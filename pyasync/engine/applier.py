@@ -139,6 +139,11 @@ class Applier(threading.Thread):
         self.owner.release(push)
 
     # -- calls from other threads (run in this thread through Call) ---------------------------------
+    def loaded(self, bucket: int) -> None:
+        """The shard's values were loaded (this thread, between pushes): the owner's replies forget what
+        each worker holds of it (Note [Compressed replies on the point-to-point path])."""
+        self.owner.replies.forget(bucket)
+
     def call(self, fn: Any) -> Result:
         """Queue ``fn(self)`` to run in this thread; returns its Result."""
         res = Result()

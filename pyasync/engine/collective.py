@@ -92,6 +92,9 @@ class _Here:
     def call(self, fn, timeout) -> list:
         return [fn(self)]
 
+    def loaded(self, bucket: int) -> None:
+        """Nothing to forget: the replica is read again from the parameters (StepGather)."""
+
 
 class CollectiveEngine(StepReduce, StepGather, EngineBase):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""

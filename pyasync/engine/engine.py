@@ -43,6 +43,7 @@ from pyasync.transport.base import Transport
 
 __all__ = ["Engine"]
 
+
 class Engine(EngineBase):
     """One rank's worker and owner. Not thread-safe for the caller: drive it from one thread."""
 
@@ -96,6 +97,7 @@ class Engine(EngineBase):
             transport=transport,
             cond=self.cond,
             fail=self.fail,
+            coded=compressor.lossy,
         )
         self.owner = Owner(
             rank=rank,
@@ -112,6 +114,7 @@ class Engine(EngineBase):
             timeout=timeout,
             gated=self.gated,
             notify=self._notify,
+            compressor=compressor,
         )
         self.pusher = Pusher(
             rank=rank,

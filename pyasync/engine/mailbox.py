@@ -4,7 +4,9 @@ mailbox; ``install`` copies them into the parameters at step boundaries.
 The mailbox holds at most one reply per shard (a newer version replaces an older one, whose receive
 buffer goes back to the pool unless ``install`` is reading it right now). It also records, per shard,
 the highest clock answered (what ``step()`` waits for) and the FINAL replies (what ``close()`` waits
-for). The caller's condition variable guards all of it.
+for). The caller's condition variable guards all of it. With a lossy codec, replies are coded changes
+that the receiver decodes on arrival into the values held of that shard (engine/replies.py); the
+mailbox then points at those values, and ``install`` reads them under their lock.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.messages import Reply
+from pyasync.engine.replies import HeldValues
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.streams import used_here, wait_event
 from pyasync.ops import bucketing as ops_bucketing
@@ -38,6 +41,7 @@ class Mailbox:
         transport: Transport | None,
         cond: threading.Condition,
         fail: Callable[[str, BaseException], None],
+        coded: bool = False,
     ) -> None:
         self.rank = rank
         self.params, self.layouts, self.keys = params, layouts, keys
@@ -54,6 +58,9 @@ class Mailbox:
         self.bytes_received = 0
         self.delivered = 0  # replies delivered so far (progress, for close()'s deadline)
         remote = {k for k in keys if k[1] != rank}
+        # Coded replies (a lossy codec): the values held of each remote shard, changes decoded on receipt
+        # (Note [Compressed replies on the point-to-point path] in engine/replies.py).
+        self.held = HeldValues(params, layouts, remote) if coded and remote else None
         self.pool = (
             transport.recv_pool(spec.max_reply_frame(), 2 * len(keys) + 2, self.device)
             if transport is not None
@@ -107,7 +114,12 @@ class Mailbox:
                 if self.layouts[h.bucket].shards[h.shard].numel == 0:
                     raise wire.WireError(f"REPLY from rank {src} for the empty shard of bucket {h.bucket}")
                 self.bytes_received += wire.HEADER_BYTES + h.nbytes
-                values, clocks = wire.unpack_reply(wire.frame_body(frame, h), h)
+                if self.held is not None:
+                    values, clocks = self.held.take(h, wire.frame_body(frame, h))
+                    self.pool.put(frame)  # decoded: the held values are the reply's
+                    frame = None
+                else:
+                    values, clocks = wire.unpack_reply(wire.frame_body(frame, h), h)
                 self.deliver(Reply(h.bucket, h.shard, h.version, h.clock, values, clocks, h.final, frame))
                 if h.final:
                     expected_finals.discard((h.bucket, h.shard))
@@ -146,19 +158,21 @@ class Mailbox:
             with torch.no_grad():
                 for (b, r), rep in todo:
                     lay = self.layouts[b]
-                    wait_event(rep.event, self.device)
-                    used_here([rep.values], self.device)
-                    (values,), _ = (
-                        self.transport.land([rep.values], self.device)
-                        if self.transport is not None
-                        else ([rep.values], False)
-                    )
-                    ops_bucketing.unflatten(
-                        values,
-                        [self.params[p].data for p in lay.params],
-                        lay.offsets,
-                        begin=lay.shards[r].begin,
-                    )
+                    dst = [self.params[p].data for p in lay.params]
+                    if rep.frame is None and self.held is not None and r != self.rank:
+                        with self.held.lock:  # the receiver decodes the next change into these values
+                            ops_bucketing.unflatten(
+                                rep.values.to(self.device), dst, lay.offsets, begin=lay.shards[r].begin
+                            )
+                    else:
+                        wait_event(rep.event, self.device)
+                        used_here([rep.values], self.device)
+                        (values,), _ = (
+                            self.transport.land([rep.values], self.device)
+                            if self.transport is not None
+                            else ([rep.values], False)
+                        )
+                        ops_bucketing.unflatten(values, dst, lay.offsets, begin=lay.shards[r].begin)
                     self.installed_version[(b, r)] = rep.version
                     self.installed_clocks[(b, r)] = list(rep.clocks)
         finally:

@@ -38,6 +38,7 @@ from pyasync.engine.applier import Applier, OwnedShard
 from pyasync.engine.clip import ClipGate
 from pyasync.engine.clock import wait_until
 from pyasync.engine.messages import Close, Pause, Push, Release, Reply, Stop
+from pyasync.engine.replies import ReplyFrames
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.streams import record_event
 from pyasync.ops._common import Payload
@@ -120,6 +121,7 @@ class Owner:
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
         gated: bool = False,
         notify: Callable[[], None] = lambda: None,
+        compressor=None,
     ) -> None:
         self.rank, self.n = rank, world_size
         self.timeout = timeout  # for frame reuse (a peer that stopped receiving)
@@ -155,7 +157,14 @@ class Owner:
             else None
         )
         self.aborted = False
-        self.rings: dict[tuple[int, int], object] = {}  # (bucket, worker) -> the transport's reply frames
+        self.replies = ReplyFrames(
+            rank=rank,
+            world_size=world_size,
+            transport=transport,
+            compressor=compressor,
+            timeout=timeout,
+            masters=masters,
+        )
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
         self.watchers = 0
@@ -219,9 +228,7 @@ class Owner:
 
     def drain_sends(self, ap: Applier, timeout: datetime.timedelta) -> None:
         """Wait for the replies still in flight from ``ap``'s shards (applier thread, at stop)."""
-        for (b, _), ring in list(self.rings.items()):
-            if b in ap.shards:
-                ring.drain(timeout)
+        self.replies.drain(ap.shards, timeout)
 
     def threads(self) -> list[threading.Thread]:
         return [t for t in (self.receiver, *self.appliers) if t is not None]
@@ -251,41 +258,15 @@ class Owner:
 
     def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool) -> None:
         """Send shard ``sh``'s current values to each (worker, clock answered) of ``dests``: a frame per
-        remote worker (a copy: a send never sees a later update), a clone for this rank's worker."""
+        remote worker (a copy, or a coded change: engine/replies.py), a clone for this rank's worker."""
         rnd, master = sh.round, sh.state.master
         clocks = torch.tensor(rnd.included, dtype=torch.int64)
         for w, c in dests:
-            if w == self.rank:
-                continue
-            ring = self.rings.get((sh.bucket, w))
-            if ring is None:
-                nbytes = wire.HEADER_BYTES + wire.reply_parts(master.numel(), self.n)[1]
-                ring = self.rings[(sh.bucket, w)] = self.transport.frame_ring(nbytes, master.device)
-            fr = ring.take(self.timeout)
-            if fr.views is None:
-                fr.views = wire.reply_views(fr.buf, master.numel(), self.n)
-            values, clocks_v, nbytes = fr.views
-            values.copy_(master)
-            clocks_v.copy_(clocks)
-            h = wire.Header(
-                kind=wire.REPLY,
-                sender=self.rank,
-                clock=c,
-                version=rnd.version,
-                bucket=sh.bucket,
-                shard=self.rank,
-                codec=0,
-                numel=master.numel(),
-                nbytes=0,
-                flags=wire.FLAG_FINAL if final else 0,
-                count=self.n,
-            )
-            wire.seal(fr.buf, h, nbytes)
-            self.transport.send_frame(fr, w, "reply")
-            ap.bytes_sent += wire.HEADER_BYTES + nbytes
+            if w != self.rank:
+                ap.bytes_sent += self.replies.send(sh.bucket, w, c, rnd.version, master, clocks, final)
         local = [c for w, c in dests if w == self.rank]
         if local:
-            values = master.clone()
+            values = self.replies.local(sh.bucket, rnd.version, master, final)
             self.deliver_local(
                 Reply(
                     sh.bucket,

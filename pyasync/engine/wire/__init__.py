@@ -35,12 +35,15 @@ from pyasync.engine.wire.header import (
     seal,
 )
 from pyasync.engine.wire.layout import (
+    coded_reply_parts,
+    coded_reply_views,
     pack_push,
     pack_reply,
     push_parts,
     push_views,
     reply_parts,
     reply_views,
+    unpack_coded_reply,
     unpack_push,
     unpack_reply,
 )
@@ -67,6 +70,8 @@ __all__ = [
     "Header",
     "WireError",
     "WireSpec",
+    "coded_reply_parts",
+    "coded_reply_views",
     "encode_header",
     "frame_body",
     "frame_header",
@@ -78,6 +83,7 @@ __all__ = [
     "reply_parts",
     "reply_views",
     "seal",
+    "unpack_coded_reply",
     "unpack_push",
     "unpack_reply",
 ]

@@ -5,7 +5,9 @@ A frame is ``HEADER_BYTES`` of header (wire/header.py) followed by exactly ``nby
 * push payload: the payload tensors of its codec (``ops._common.payload_parts``: codes, then scales or
   indices) | mask (uint8 per parameter overlapping the shard, 1 = has a gradient);
 * reply payload: numel fp32 values | count int64 clocks (the highest clock of each worker fully
-  included in the values).
+  included in the values);
+* coded reply payload (a lossy codec, Note [Compressed replies] in engine/replies.py): the payload
+  tensors of the codec, encoding the change since the values the worker holds | count int64 clocks.
 
 Each part starts at a multiple of 8 bytes; the alignment padding is zero, so no stale process memory
 goes on the wire. The engine writes pushes and replies straight into reused frames through the views
@@ -26,12 +28,15 @@ from pyasync.errors import WireError
 from pyasync.ops._common import CODE_DTYPES, CODEC_NAMES, Payload, payload_parts
 
 __all__ = [
+    "coded_reply_parts",
+    "coded_reply_views",
     "pack_push",
     "pack_reply",
     "push_parts",
     "push_views",
     "reply_parts",
     "reply_views",
+    "unpack_coded_reply",
     "unpack_push",
     "unpack_reply",
 ]
@@ -71,6 +76,14 @@ def reply_parts(n: int, world_size: int) -> tuple[Parts, int]:
     return _layout([("values", torch.float32, n), ("clocks", torch.int64, world_size)])
 
 
+@functools.lru_cache(maxsize=4096)
+def coded_reply_parts(codec: str, n: int, block: int, k: int, world_size: int) -> tuple[Parts, int]:
+    """The same for a coded reply: the codec's payload tensors, then ``world_size`` int64 clocks."""
+    if codec not in CODE_DTYPES:
+        raise WireError(f"unknown codec {codec!r}")
+    return _layout([*payload_parts(codec, n, block, k), ("clocks", torch.int64, world_size)])
+
+
 def _views(buf: torch.Tensor, parts: Parts) -> dict[str, torch.Tensor]:
     return {name: buf[off : off + numel * dt.itemsize].view(dt) for name, dt, numel, off in parts}
 
@@ -104,6 +117,18 @@ def reply_views(frame: torch.Tensor, n: int, world_size: int) -> tuple[torch.Ten
     _zero_padding(body, parts, total)
     v = _views(body, parts)
     return v["values"], v["clocks"], total
+
+
+def coded_reply_views(frame: torch.Tensor, codec: str, n: int, block: int, k: int, world_size: int):
+    """(Payload of views, clocks view, payload bytes) of a coded reply laid out in ``frame``."""
+    parts, total = coded_reply_parts(codec, n, block, k, world_size)
+    body = frame[HEADER_BYTES : HEADER_BYTES + total]
+    _zero_padding(body, parts, total)
+    v = _views(body, parts)
+    payload = Payload(
+        codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
+    )
+    return payload, v["clocks"], total
 
 
 def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
@@ -157,12 +182,13 @@ def pack_reply(values: torch.Tensor, clocks: Sequence[int], *, header: Header | 
 def _check_topk(indices: torch.Tensor, n: int, h: Header) -> None:
     if indices.numel() == 0:
         return
+    what = KIND_NAMES.get(h.kind, h.kind)
     lo, hi = int(indices[0]), int(indices[-1])
     if lo < 0 or hi >= n:
-        raise WireError(f"PUSH from rank {h.sender}: top-k indices lie in [{lo}, {hi}], outside [0, {n})")
+        raise WireError(f"{what} from rank {h.sender}: top-k indices lie in [{lo}, {hi}], outside [0, {n})")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise WireError(
-            f"PUSH from rank {h.sender}: top-k indices are not strictly ascending (corrupt payload)"
+            f"{what} from rank {h.sender}: top-k indices are not strictly ascending (corrupt payload)"
         )
 
 
@@ -199,3 +225,27 @@ def unpack_reply(buf: torch.Tensor, h: Header) -> tuple[torch.Tensor, list[int]]
     _check_buffer(buf, total, h)
     v = _views(buf, parts)
     return v["values"], [int(c) for c in v["clocks"].tolist()]
+
+
+def unpack_coded_reply(buf: torch.Tensor, h: Header) -> tuple[Payload, list[int]]:
+    """(Payload of views into buf, clocks) of a coded reply whose header was checked; top-k indices are
+    checked here (in range, ascending), as for a push."""
+    codec = CODEC_NAMES.get(h.codec)
+    if codec is None:
+        raise WireError(f"REPLY from rank {h.sender} has an unknown codec id {h.codec}")
+    parts, total = coded_reply_parts(codec, h.numel, h.block, h.k, h.count)
+    _check_buffer(buf, total, h)
+    v = _views(buf, parts)
+    p = Payload(
+        codec=codec,
+        n=h.numel,
+        codes=v["codes"],
+        scales=v.get("scales"),
+        indices=v.get("indices"),
+        k=h.k,
+        block=h.block,
+        finite=h.finite,
+    )
+    if p.indices is not None and buf.device.type == "cpu":
+        _check_topk(p.indices, h.numel, h)
+    return p, [int(c) for c in v["clocks"].tolist()]

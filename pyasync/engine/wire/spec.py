@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pyasync.engine.wire.header import CONTROL_KINDS, HEADER_BYTES, KIND_NAMES, PUSH, REPLY, Header
-from pyasync.engine.wire.layout import push_parts, reply_parts
+from pyasync.engine.wire.layout import coded_reply_parts, push_parts, reply_parts
 from pyasync.errors import WireError
 from pyasync.ops._common import CODEC_IDS, CODEC_NAMES
 
@@ -73,11 +73,16 @@ class WireSpec:
         ]
         return HEADER_BYTES + max(sizes, default=0)
 
+    def coded_reply_bytes(self, n: int) -> int:
+        """Payload bytes of a coded reply (the agreed lossy codec) for a shard of n elements."""
+        k = self.topk_k(n) if self.codec == "topk" and n > 0 else 0
+        return coded_reply_parts(self.codec, n, self.block, k, self.world_size)[1]
+
     def max_reply_frame(self) -> int:
         """Bytes of the largest frame an owner may send this rank (a REPLY for a non-empty shard of
-        another rank): the size of the worker's receive buffer."""
+        another rank, exact or coded): the size of the worker's receive buffer."""
         sizes = [
-            reply_parts(n, self.world_size)[1]
+            max(reply_parts(n, self.world_size)[1], self.coded_reply_bytes(n) if self.codec_id else 0)
             for row in self.shard_numels
             for r, n in enumerate(row)
             if n > 0 and r != self.rank
@@ -139,13 +144,24 @@ class WireSpec:
         if h.shard != h.sender:
             raise WireError(f"REPLY from rank {h.sender} carries shard {h.shard}, which it does not own")
         self._bucket(h, "REPLY")
-        if h.codec != 0 or h.k != 0 or h.block != 0:
-            raise WireError(
-                f"REPLY from rank {h.sender} has codec/k/block {h.codec}/{h.k}/{h.block}, expected 0/0/0"
-            )
         if h.count != self.world_size:
             raise WireError(f"REPLY from rank {h.sender} has {h.count} clocks, expected {self.world_size}")
-        _, total = reply_parts(h.numel, h.count)
+        if h.codec != 0 and h.codec == self.codec_id:
+            # A coded reply (Note [Compressed replies] in engine/replies.py): the agreed codec's block, k.
+            want_k = self.topk_k(h.numel) if self.codec == "topk" else 0
+            if h.block != self.block or h.k != want_k:
+                raise WireError(
+                    f"REPLY from rank {h.sender} has block/k {h.block}/{h.k}, expected {self.block}/{want_k} "
+                    f"(codec {self.codec})"
+                )
+            total = self.coded_reply_bytes(h.numel)
+        elif h.codec != 0 or h.k != 0 or h.block != 0:
+            raise WireError(
+                f"REPLY from rank {h.sender} has codec/k/block {h.codec}/{h.k}/{h.block}, expected 0/0/0 "
+                f"(exact values) or the agreed codec {self.codec}"
+            )
+        else:
+            _, total = reply_parts(h.numel, h.count)
         if h.nbytes != total:
             raise WireError(
                 f"REPLY from rank {h.sender} announces {h.nbytes} payload bytes, expected {total}"
