@@ -21,6 +21,7 @@ from pyasync.compression import from_spec
 from pyasync.engine import wire
 from pyasync.engine.replies import HeldValues, ReplyFrames
 from pyasync.engine.shards import build_layout
+from pyasync.transport.tcp import TcpTransport
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -52,9 +53,9 @@ class _Loopback:
     def frame_ring(self, nbytes, device):
         return _Ring(nbytes)
 
-    def send_frame(self, fr, dst, flow) -> None:
+    def send_frame(self, fr, dst, flow, nbytes=None) -> None:
         assert flow == "reply"
-        self.sent.append((dst, fr.buf.clone()))
+        self.sent.append((dst, fr.buf[:nbytes].clone()))
 
 
 def _setup(codec: str, numel: int = 1000, world: int = 3):
@@ -331,3 +332,52 @@ def test_a_coded_top_k_reply_with_bad_indices_is_refused():
         body[off : off + 4].view(torch.int32)[0] = bad  # the first index
         with pytest.raises(wire.WireError, match="top-k indices"):
             wire.unpack_coded_reply(body, h)
+
+
+class _CountingTcp(TcpTransport):
+    """The TCP transport, counting the bytes each send really puts on its socket (the length prefix
+    aside), per flow."""
+
+    def __init__(self, group, timeout) -> None:
+        super().__init__(group, timeout)
+        self.wire_bytes = {"push": 0, "reply": 0}
+
+    def send(self, buf, dst, flow):
+        self.wire_bytes[flow] = self.wire_bytes.get(flow, 0) + buf.numel() * buf.element_size()
+        return super().send(buf, dst, flow)
+
+
+def _on_the_wire(rank, world, codec):
+    model = _model()
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        policy="asp",
+        compression=codec,
+        bucket_cap_mb=0.01,
+        timeout=TIMEOUT,
+        transport=_CountingTcp,
+    )
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(6):
+        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 32, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.barrier()  # every reply of the steps has gone out
+    steps = dict(opt.engine.transport.wire_bytes)
+    opt.close()  # its CLOSE frames and FINAL (exact) replies are counted too
+    return {"counted": opt.stats().bytes_sent, "wire": dict(opt.engine.transport.wire_bytes), "steps": steps}
+
+
+@multiproc
+def test_the_socket_carries_what_the_stats_count():
+    """A coded reply goes out as its header and payload, not as the (exact-sized) frame it was written
+    into; the stats count exactly what the sockets carry."""
+    world = 3
+    plain = run_workers(_on_the_wire, world, args=("none",), timeout=240)
+    int8 = run_workers(_on_the_wire, world, args=("int8",), timeout=240)
+    for r in range(world):
+        for res in (plain[r], int8[r]):
+            assert sum(res["wire"].values()) == res["counted"], res
+        ratio = int8[r]["steps"]["reply"] / plain[r]["steps"]["reply"]  # the steps' replies, not close()'s
+        assert ratio < 0.3, f"rank {r}: int8 replies put {ratio:.3f}x the fp32 replies' bytes on the socket"

@@ -135,7 +135,7 @@ class ReplyFrames:
             count=self.n,
         )
         wire.seal(fr.buf, h, nbytes)
-        self.transport.send_frame(fr, w, "reply")
+        self.transport.send_frame(fr, w, "reply", wire.HEADER_BYTES + nbytes)  # not the frame's spare room
         return wire.HEADER_BYTES + nbytes
 
     def _change(self, bucket: int, version: int, master: torch.Tensor, held: torch.Tensor, out=None):

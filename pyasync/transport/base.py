@@ -97,16 +97,19 @@ class Transport(abc.ABC):
         """``count`` reusable send frames of ``nbytes`` on ``device`` (the engine's), used in turn."""
         return FrameRing(nbytes, device, count)
 
-    def send_frame(self, frame: SendFrame, dst: int, flow: str) -> None:
-        """Send ``frame.buf`` to ``dst`` on ``flow``; its handle is kept in the frame (waited before the
-        frame is reused). A device frame is first copied to its pinned host twin when the transport
-        needs host buffers; the copy completes before the send starts."""
-        buf = frame.buf
+    def send_frame(self, frame: SendFrame, dst: int, flow: str, nbytes: int | None = None) -> None:
+        """Send the first ``nbytes`` of ``frame.buf`` (all of it by default: a frame may be larger than
+        what it holds now, e.g. a reply frame sized for exact values carrying a coded change) to ``dst``
+        on ``flow``; its handle is kept in the frame (waited before the frame is reused). A device frame
+        is first copied to its pinned host twin when the transport needs host buffers; the copy completes
+        before the send starts."""
+        buf = frame.buf if nbytes is None else frame.buf[:nbytes]
         if self.host_buffers and buf.device.type != "cpu":
             if frame.host is None:
-                frame.host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
-            frame.host.copy_(buf)  # synchronous: the device buffer may change right after
-            buf = frame.host
+                frame.host = torch.empty(frame.buf.shape, dtype=frame.buf.dtype, pin_memory=True)
+            host = frame.host[: buf.numel()]
+            host.copy_(buf)  # synchronous: the device buffer may change right after
+            buf = host
         frame.handle = self.send(buf, dst, flow)
 
     def recv_pool(self, nbytes: int, keep: int, device: torch.device, limit: int | None = None) -> FramePool:
