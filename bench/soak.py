@@ -224,9 +224,9 @@ def buffer_bound(opt) -> dict[str, int]:
         "aggregate": 4 * own_numel if aggregate else 0,
         # coded replies (a lossy codec): what each worker (ours too) holds of our shards, what we hold of
         # theirs, and one change per owned shard (engine/replies.py)
-        "held (owner)": 4 * n * own_numel if comp.lossy else 0,
-        "held (worker)": 4 * sum(lays[b].shards[r].numel for b, r in remote) if comp.lossy else 0,
-        "reply scratch": 4 * own_numel if comp.lossy else 0,
+        "held (owner)": 4 * n * own_numel if comp.replies else 0,
+        "held (worker)": 4 * sum(lays[b].shards[r].numel for b, r in remote) if comp.replies else 0,
+        "reply scratch": 4 * own_numel if comp.replies else 0,
     }
 
 

@@ -63,10 +63,13 @@ class Compressor:
     name: str = "none"
     lossy: bool = True
 
-    def __init__(self, error_feedback: bool = True) -> None:
+    def __init__(self, error_feedback: bool = True, replies: bool = True) -> None:
         if type(self) is Compressor:
             raise TypeError("Compressor is a base class; use NoCompression, FP16, BF16, Int8, Sign or TopK")
         self.error_feedback = check_bool("error_feedback", error_feedback) and self.lossy
+        # Replies coded with this codec too (the change from what each worker holds; engine/replies.py
+        # and engine/gather.py); False: replies carry exact fp32 values, only pushes are compressed.
+        self.replies = check_bool("replies", replies) and self.lossy
         # key -> [current residual, spare buffer]; see the module docstring.
         self._residuals: dict[Hashable, list[torch.Tensor]] = {}
         self._undoable: set[Hashable] = set()  # keys whose last compress swapped (see undo)
@@ -87,6 +90,8 @@ class Compressor:
         if not self.lossy:
             return self.name
         args = [f"{k}={v!r}" for k, v in self._args().items()] + [f"ef={int(self.error_feedback)}"]
+        if not self.replies:
+            args.append("replies=0")
         return f"{self.name}({','.join(args)})"
 
     def wire_params(self, n: int) -> tuple[str, int, int]:
@@ -227,7 +232,7 @@ class NoCompression(Compressor):
     lossy = False
 
     def __init__(self) -> None:
-        super().__init__(error_feedback=False)
+        super().__init__(error_feedback=False, replies=False)
 
 
 class FP16(Compressor):
@@ -245,9 +250,9 @@ class BF16(Compressor):
 class _Blockwise(Compressor):
     """A codec with one fp32 scale per `block` elements (int8, sign)."""
 
-    def __init__(self, block: int = 256, error_feedback: bool = True) -> None:
+    def __init__(self, block: int = 256, error_feedback: bool = True, replies: bool = True) -> None:
         self.block = _check_block(block)
-        super().__init__(error_feedback=error_feedback)
+        super().__init__(error_feedback=error_feedback, replies=replies)
 
     def _args(self) -> dict[str, Any]:
         return {"block": self.block}
@@ -274,9 +279,9 @@ class TopK(Compressor):
 
     name = "topk"
 
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True) -> None:
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, replies: bool = True) -> None:
         self.topk_ratio = _check_ratio(ratio)
-        super().__init__(error_feedback=error_feedback)
+        super().__init__(error_feedback=error_feedback, replies=replies)
 
     def _args(self) -> dict[str, Any]:
         return {"ratio": self.topk_ratio}
@@ -291,7 +296,8 @@ _SHORT_ARG = {"int8": "block", "sign": "block", "topk": "ratio"}  # the X of "na
 _SPEC_RE = re.compile(r"^([a-z0-9]+)\((.*)\)$")
 _SPEC_HELP = (
     "use a Compressor, None, or one of 'none', 'fp16', 'bf16', 'int8', 'int8:BLOCK', 'sign', "
-    "'sign:BLOCK', 'topk', 'topk:RATIO', or a spec() string such as 'int8(block=256,ef=1)'"
+    "'sign:BLOCK', 'topk', 'topk:RATIO', or a spec() string such as 'int8(block=256,ef=1)' "
+    "('replies=0': exact fp32 replies, only the pushes compressed)"
 )
 
 
@@ -301,7 +307,7 @@ def _parse_value(name: str, key: str, text: str) -> int | float | bool:
             return float(text)
         if key == "block":
             return int(text)
-        if key == "ef" and text in ("0", "1"):
+        if key in ("ef", "replies") and text in ("0", "1"):
             return text == "1"
     except ValueError:
         pass
@@ -324,7 +330,8 @@ def from_spec(x: Compressor | str | None) -> Compressor:
         name, body = m.group(1), m.group(2)
         if name not in _CLASSES:
             raise ValueError(f"unknown compression {x!r}; {_SPEC_HELP}")
-        allowed = set() if name == "none" else ({_SHORT_ARG[name]} if name in _SHORT_ARG else set()) | {"ef"}
+        short = {_SHORT_ARG[name]} if name in _SHORT_ARG else set()
+        allowed = set() if name == "none" else short | {"ef", "replies"}
         for part in filter(None, body.split(",")):
             key, eq, val = part.partition("=")
             key = key.strip()

@@ -156,6 +156,8 @@ def test_state_dict_round_trip():
         (comp.Sign(block=32), "sign(block=32,ef=1)"),
         (comp.TopK(), "topk(ratio=0.01,ef=1)"),
         (comp.TopK(ratio=1 / 3), f"topk(ratio={1 / 3!r},ef=1)"),
+        (comp.Int8(replies=False), "int8(block=256,ef=1,replies=0)"),
+        (comp.TopK(error_feedback=False, replies=False), "topk(ratio=0.01,ef=0,replies=0)"),
     ],
     ids=lambda x: x if isinstance(x, str) else type(x).__name__,
 )
@@ -179,6 +181,8 @@ def test_spec_round_trip(c, spec):
         ("topk:0.05", "topk(ratio=0.05,ef=1)"),
         (" Int8:512 ", "int8(block=512,ef=1)"),
         ("int8(ef=0)", "int8(block=256,ef=0)"),
+        ("int8(replies=0)", "int8(block=256,ef=1,replies=0)"),
+        ("topk(replies=1)", "topk(ratio=0.01,ef=1)"),
     ],
 )
 def test_from_spec_strings(text, want):

@@ -381,3 +381,18 @@ def test_the_socket_carries_what_the_stats_count():
             assert sum(res["wire"].values()) == res["counted"], res
         ratio = int8[r]["steps"]["reply"] / plain[r]["steps"]["reply"]  # the steps' replies, not close()'s
         assert ratio < 0.3, f"rank {r}: int8 replies put {ratio:.3f}x the fp32 replies' bytes on the socket"
+
+
+@multiproc
+@pytest.mark.parametrize("policy", ["bsp", "bsp:p2p"])
+def test_replies_0_compresses_only_the_pushes(policy):
+    """``int8(replies=0)``: the pushes are int8, the replies exact fp32 values (the parameters are the
+    masters after every step), and the bytes are between the coded and the uncompressed runs'."""
+    world = 3
+    exact = run_workers(_bsp, world, args=(policy, "int8(replies=0)"), timeout=240)
+    coded = run_workers(_bsp, world, args=(policy, "int8"), timeout=240)
+    for r in range(world):
+        assert exact[r]["gap"] == 0.0, f"rank {r}: the replies were not exact"
+        assert torch.equal(exact[r]["final"], exact[0]["final"])
+        assert exact[r]["bytes"] > 2 * coded[r]["bytes"]
+    assert max(r["gap"] for r in coded) > 0

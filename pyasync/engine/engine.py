@@ -97,7 +97,7 @@ class Engine(EngineBase):
             transport=transport,
             cond=self.cond,
             fail=self.fail,
-            coded=compressor.lossy,
+            coded=compressor.replies,
         )
         self.owner = Owner(
             rank=rank,

@@ -37,7 +37,7 @@ class StepGather:
     """
 
     def _init_replies(self) -> None:
-        self.compress_replies = self.comp.lossy
+        self.compress_replies = self.comp.replies
         self.replica: list[torch.Tensor] = []
         self.replica_stale = True
         if self.compress_replies:

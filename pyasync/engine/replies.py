@@ -55,7 +55,7 @@ class ReplyFrames:
         masters: dict[int, torch.Tensor],
     ) -> None:
         self.rank, self.n, self.transport, self.timeout = rank, world_size, transport, timeout
-        self.comp = compressor if compressor is not None and compressor.lossy else None
+        self.comp = compressor if compressor is not None and compressor.replies else None
         self.rings: dict[tuple[int, int], object] = {}  # (bucket, worker) -> the transport's frames
         # (bucket, worker) -> the values that worker holds of our shard: at first the agreed parameters.
         self.held: dict[tuple[int, int], torch.Tensor] = (
