@@ -88,6 +88,22 @@ def _views(buf: torch.Tensor, parts: Parts) -> dict[str, torch.Tensor]:
     return {name: buf[off : off + numel * dt.itemsize].view(dt) for name, dt, numel, off in parts}
 
 
+def _payload(
+    v: dict[str, torch.Tensor], codec: str, n: int, block: int, k: int, finite: bool = True
+) -> Payload:
+    """The Payload of a codec's views ``v`` (codes, then scales or indices)."""
+    return Payload(
+        codec=codec,
+        n=n,
+        codes=v["codes"],
+        scales=v.get("scales"),
+        indices=v.get("indices"),
+        k=k,
+        block=block,
+        finite=finite,
+    )
+
+
 def _zero_padding(body: torch.Tensor, parts: Parts, total: int) -> None:
     """Zero the alignment gaps between parts (and after the last one)."""
     for i, (_, dt, numel, off) in enumerate(parts):
@@ -104,10 +120,7 @@ def push_views(frame: torch.Tensor, codec: str, n: int, block: int, k: int, mask
     body = frame[HEADER_BYTES : HEADER_BYTES + total]
     _zero_padding(body, parts, total)
     v = _views(body, parts)
-    payload = Payload(
-        codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
-    )
-    return payload, v["mask"], total
+    return _payload(v, codec, n, block, k), v["mask"], total
 
 
 def reply_views(frame: torch.Tensor, n: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -125,10 +138,7 @@ def coded_reply_views(frame: torch.Tensor, codec: str, n: int, block: int, k: in
     body = frame[HEADER_BYTES : HEADER_BYTES + total]
     _zero_padding(body, parts, total)
     v = _views(body, parts)
-    payload = Payload(
-        codec=codec, n=n, codes=v["codes"], scales=v.get("scales"), indices=v.get("indices"), k=k, block=block
-    )
-    return payload, v["clocks"], total
+    return _payload(v, codec, n, block, k), v["clocks"], total
 
 
 def _check_buffer(buf: torch.Tensor, total: int, h: Header) -> None:
@@ -192,27 +202,24 @@ def _check_topk(indices: torch.Tensor, n: int, h: Header) -> None:
         )
 
 
+def _unpack_payload(buf: torch.Tensor, h: Header, codec: str, parts: Parts, total: int):
+    """(views, Payload) of a checked header's payload in ``buf``: the buffer's size and alignment, then
+    top-k indices in range and ascending (the kernels trust them)."""
+    _check_buffer(buf, total, h)
+    v = _views(buf, parts)
+    p = _payload(v, codec, h.numel, h.block, h.k, h.finite)
+    if p.indices is not None and buf.device.type == "cpu":
+        _check_topk(p.indices, h.numel, h)
+    return v, p
+
+
 def unpack_push(buf: torch.Tensor, h: Header) -> tuple[Payload, torch.Tensor]:
     """(Payload of views into buf, uint8 mask) of a push whose header was checked. Validates what the
     header cannot: top-k indices in range and ascending, mask bytes 0/1."""
     codec = CODEC_NAMES.get(h.codec)
     if codec is None:
         raise WireError(f"PUSH from rank {h.sender} has an unknown codec id {h.codec}")
-    parts, total = push_parts(codec, h.numel, h.block, h.k, h.count)
-    _check_buffer(buf, total, h)
-    v = _views(buf, parts)
-    p = Payload(
-        codec=codec,
-        n=h.numel,
-        codes=v["codes"],
-        scales=v.get("scales"),
-        indices=v.get("indices"),
-        k=h.k,
-        block=h.block,
-        finite=h.finite,
-    )
-    if p.indices is not None and buf.device.type == "cpu":
-        _check_topk(p.indices, h.numel, h)
+    v, p = _unpack_payload(buf, h, codec, *push_parts(codec, h.numel, h.block, h.k, h.count))
     mask = v["mask"]
     if mask.numel() and int(mask.max()) > 1:
         raise WireError(f"PUSH from rank {h.sender} for bucket {h.bucket} has mask bytes other than 0/1")
@@ -233,19 +240,5 @@ def unpack_coded_reply(buf: torch.Tensor, h: Header) -> tuple[Payload, list[int]
     codec = CODEC_NAMES.get(h.codec)
     if codec is None:
         raise WireError(f"REPLY from rank {h.sender} has an unknown codec id {h.codec}")
-    parts, total = coded_reply_parts(codec, h.numel, h.block, h.k, h.count)
-    _check_buffer(buf, total, h)
-    v = _views(buf, parts)
-    p = Payload(
-        codec=codec,
-        n=h.numel,
-        codes=v["codes"],
-        scales=v.get("scales"),
-        indices=v.get("indices"),
-        k=h.k,
-        block=h.block,
-        finite=h.finite,
-    )
-    if p.indices is not None and buf.device.type == "cpu":
-        _check_topk(p.indices, h.numel, h)
+    v, p = _unpack_payload(buf, h, codec, *coded_reply_parts(codec, h.numel, h.block, h.k, h.count))
     return p, [int(c) for c in v["clocks"].tolist()]
