@@ -10,7 +10,7 @@ Header fields, in this order::
     5 version      PUSH: shard version the gradient was computed on; REPLY: version of the values
     6 bucket       bucket index
     7 shard        shard index (= owner rank)
-    8 codec        codec id (pyasync.ops._common.CODEC_IDS); REPLY: 0 (fp32 values)
+    8 codec        codec id (pyasync.ops._common.CODEC_IDS); REPLY: 0 (exact) or the agreed codec (coded)
     9 numel        elements of the shard
    10 nbytes       bytes of the payload that follows (0: no payload)
    11 k            top-k kept elements, else 0
