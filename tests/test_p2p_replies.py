@@ -6,7 +6,7 @@ Oracles: the owner's and the worker's held values agree exactly after any sequen
 test over a loopback transport); BSP on this path sends the same changes as BSP on collectives, so the
 two are bit-identical at every step; under SSP, ASP and Quorum every push is applied once (one-hot
 ledger), close() ends every rank on the exact masters, and a load mid-run (the next reply is exact)
-keeps replicas and masters together; int8 replies cut the bytes below 0.3x of the uncompressed run."""
+keeps replicas and masters together; int8 replies put under 0.3x of the fp32 replies' bytes on the sockets."""
 
 from __future__ import annotations
 
@@ -293,45 +293,6 @@ def test_a_load_mid_run_makes_the_next_reply_exact():
     res = run_workers(_async, world, args=("asp", "int8", 6), timeout=240)
     for r in range(1, world):
         assert torch.equal(res[r]["p"], res[0]["p"])
-
-
-@multiproc
-def test_int8_replies_cut_the_bytes():
-    world = 3
-    plain = run_workers(_bsp, world, args=("asp", "none"), timeout=240)
-    int8 = run_workers(_bsp, world, args=("asp", "int8"), timeout=240)
-    for r in range(world):
-        ratio = int8[r]["bytes"] / plain[r]["bytes"]
-        assert ratio < 0.3, f"rank {r}: ASP with int8 sent {ratio:.3f}x the uncompressed bytes"
-
-
-def test_a_coded_top_k_reply_with_bad_indices_is_refused():
-    """unpack_coded_reply checks top-k indices as unpack_push does: the decode kernel trusts them."""
-    layout, _ = _setup("topk:0.05")
-    world, numel = 3, 1000
-    sh = layout.shards[1]
-    tp = _Loopback()
-    frames = ReplyFrames(
-        rank=1,
-        world_size=world,
-        transport=tp,
-        compressor=from_spec("topk:0.05"),
-        timeout=TIMEOUT,
-        masters={0: torch.zeros(sh.numel)},
-    )
-    frames.send(0, 0, 0, 1, torch.randn(sh.numel), torch.zeros(world, dtype=torch.int64), False)
-    buf = tp.sent[-1][1]
-    h = wire.frame_header(buf, 1)
-    payload, _ = wire.unpack_coded_reply(wire.frame_body(buf, h), h)
-    assert payload.indices.numel() == h.k > 1
-    for bad in (numel + 5, -1):
-        broken = buf.clone()
-        body = wire.frame_body(broken, h)
-        parts, _ = wire.coded_reply_parts("topk", h.numel, h.block, h.k, world)
-        off = {name: o for name, _, _, o in parts}["indices"]
-        body[off : off + 4].view(torch.int32)[0] = bad  # the first index
-        with pytest.raises(wire.WireError, match="top-k indices"):
-            wire.unpack_coded_reply(body, h)
 
 
 class _CountingTcp(TcpTransport):
