@@ -65,10 +65,6 @@ class ReplyFrames:
         )
         self.scratch: dict[int, torch.Tensor] = {}  # bucket -> master - held (one applier per bucket)
 
-    @property
-    def coded(self) -> bool:
-        return self.comp is not None
-
     def forget(self, bucket: int) -> None:
         """The shard's values changed outside the updates (a load): the next reply to every worker is
         exact. Call from the shard's applier thread."""
