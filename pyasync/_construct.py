@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from pyasync._validate import check_int, check_real
 
-__all__ = ["check_options", "describe_group", "trainable_params"]
+__all__ = ["check_elastic", "check_options", "describe_group", "trainable_params"]
 
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,6 +41,33 @@ def check_options(
             "process_group must be a torch.distributed ProcessGroup or None, got "
             f"{type(process_group).__name__}"
         )
+
+
+def check_elastic(elastic, policy, max_grad_norm, optimizer) -> bool:
+    """``elastic`` as a bool, or a clear error where a membership change cannot be survived."""
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be True or False, got {elastic!r}")
+    if not elastic:
+        return False
+    from pyasync.policy import BSP
+
+    if isinstance(policy, BSP) and not policy.p2p:
+        raise ValueError(
+            "elastic=True needs the point-to-point engine: BSP on collectives cannot go on without a dead "
+            "rank (every rank raises PeerFailure naming it; resume from a checkpoint). Use policy='bsp:p2p' "
+            "for a BSP that survives, or SSP, ASP or Quorum"
+        )
+    if max_grad_norm is not None and policy.clips_mean:
+        raise ValueError(
+            f"elastic=True with max_grad_norm under {policy.spec()} is not supported: clipping the mean "
+            "gradient is a collective of every rank; clip each push instead (SSP, ASP or Quorum)"
+        )
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            f"elastic=True re-shards the optimizer state, which needs SGD, Adam or AdamW (fused rules), "
+            f"got {type(optimizer).__name__}"
+        )
+    return True
 
 
 def trainable_params(param_groups, named_parameters) -> tuple[list[torch.Tensor], list[int], list[str]]:

@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 
 from pyasync import compression as _compression
-from pyasync._construct import check_options, describe_group, trainable_params
+from pyasync._construct import check_elastic, check_options, describe_group, trainable_params
 from pyasync.engine import wire
 from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
 from pyasync.engine.collective import CollectiveEngine
 from pyasync.engine.engine import Engine
-from pyasync.engine.meet import collective_failure, control_group, gave_up, join
+from pyasync.engine.meet import collective_failure, control_group, gave_up, global_ranks, join
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
+from pyasync.membership import change_epoch
 from pyasync.policy import BSP, Policy, parse_policy
 from pyasync.transport.base import Transport
 from pyasync.transport.tcp import TcpTransport
@@ -108,6 +109,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             buckets are sent while backward runs (more overlap on models of many buckets); an edit
             after backward() makes step() raise (the step is lost), as does a GradScaler.
 
+        elastic: survive a dead worker (SSP, ASP, Quorum, ``bsp:p2p``; SGD, Adam, AdamW): the survivors
+            move to a new membership epoch without it and keep training (pyasync/membership.py, Note
+            [Membership epochs]); ``stats().epochs`` reports every change. Needs a store that outlives
+            the workers (torchrun's agent hosts it).
+
     Works with ``torch.amp.GradScaler``: ``scaler.step(opt)`` always reaches ``step()``, which divides
     the scale out while encoding and, on a step where this rank found an inf or NaN, pushes nothing that
     any owner applies (so a synchronous round never waits for a rank that skipped). Every wait is
@@ -133,6 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         transport: Callable[[dist.ProcessGroup | None, datetime.timedelta], Transport] | None = None,
         max_grad_norm: float | None = None,
         grad_edits: str = "detect",
+        elastic: bool = False,
     ) -> None:
         # Everything checked locally first. A rank whose checks fail still tells the others (at the
         # meeting: they raise a PeerFailure naming it at once, and the meetings stay numbered alike).
@@ -164,11 +171,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"max_grad_norm under {self._policy.spec()} clips each push before it is sent, which "
                     "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
                 )
+            self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer)
+            self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (pyasync/membership.py)
             self._group = process_group
             self._rank = dist.get_rank(process_group)
             if self._rank < 0:
                 raise ValueError("this rank is not a member of process_group")
             self._world = dist.get_world_size(process_group)
+            self._globals = global_ranks(process_group)
             self._policy.validate(self._world)
             self._timeout = timeout
 
@@ -193,7 +203,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 [str(p.device) for p in self._params],
                 cap,
             )
-            self._layouts = build_layout(assign, [p.numel() for p in self._params], groups, self._world)
+            self._assign, self._groups = assign, groups
+            self._layouts = self._build_layouts(self._world)
             self._rule = UpdateRule(optimizer)
 
             if max_grad_norm is not None and self._policy.clips_mean and self._world > 1:
@@ -217,6 +228,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._world > 1:
             what = "the construction of the DistributedOptimizer"
             keys = join(process_group, timeout, what)
+            self._job = (keys[0].rsplit("/", 1)[0] if keys else "pyasync/job").replace(
+                "join", "membership", 1
+            )
             try:
                 self._control = control_group(process_group, timeout)
             except Exception as e:  # the others may have given up just as this rank met them
@@ -238,6 +252,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 dist.destroy_process_group(self._control)
                 raise
 
+        self._engine_args = dict(on_nonfinite=on_nonfinite, num_appliers=num_appliers, factory=transport)
+        self._make_engine(tp)
+        optimizer._pyasync_wrapper = weakref.ref(self)
+
+    def _make_engine(self, tp: Transport | None) -> None:
+        """The engine of this rank for the current group, layouts and policy (at construction, and at
+        every membership epoch)."""
+        a = self._engine_args
         spec = wire.WireSpec.for_compressor(
             self._comp,
             self._rank,
@@ -254,22 +276,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
             transport=tp,
             rank=self._rank,
             world_size=self._world,
-            timeout=timeout,
+            timeout=self._timeout,
             spec=spec,
             names=self._names,
-            on_nonfinite=on_nonfinite,
-            max_grad_norm=max_grad_norm,
+            on_nonfinite=a["on_nonfinite"],
+            max_grad_norm=self._max_grad_norm,
             control=self._control,
-            grad_edits=grad_edits,
+            grad_edits=self._grad_edits,
         )
         if isinstance(self._policy, BSP) and not self._policy.p2p:
             self._engine = CollectiveEngine(**common)  # Note [BSP on collectives]
         else:
-            self._engine = Engine(**common, num_appliers=num_appliers)
-        optimizer._pyasync_wrapper = weakref.ref(self)
+            self._engine = Engine(**common, num_appliers=a["num_appliers"], elastic=self._elastic)
         # A rank that exits without close(): stop the threads, so peers see it leave (a PeerFailure
         # there) and the interpreter's exit never meets a thread inside a socket call.
         self._finalizer = weakref.finalize(self, _abandon, self._engine, self._control)
+
+    def _build_layouts(self, world: int):
+        return build_layout(self._assign, [p.numel() for p in self._params], self._groups, world)
+
+    def _start_epoch(
+        self, group, members: list[int], layouts, policy: Policy, epoch: int, clock: int
+    ) -> None:
+        """Membership epoch ``epoch`` (pyasync/membership.py): this rank's new group, layouts, policy and
+        engine; the old engine has stopped."""
+        self._finalizer.detach()
+        old_control = self._control
+        self._group = group
+        self._globals = list(members)
+        self._rank = members.index(dist.get_rank())
+        self._world = len(members)
+        self._layouts, self._policy = layouts, policy
+        self._epoch = epoch
+        self._clock0 += clock
+        self._control = group if self._world > 1 else None
+        tp = (self._engine_args["factory"] or TcpTransport)(group, self._timeout) if self._world > 1 else None
+        self._make_engine(tp)
+        if old_control is not None:
+            _destroy(old_control)
 
     def _agreement_items(self, groups: list[int]) -> dict[str, list[str]]:
         """What every rank must describe identically (see engine/agree.py)."""
@@ -286,6 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "hyperparameters": [describe_group(i, g) for i, g in enumerate(self.param_groups)],
             "max_grad_norm": [repr(self._max_grad_norm)],
             "grad_edits": [self._grad_edits],
+            "elastic": [repr(self._elastic)],
         }
 
     @torch.no_grad()
@@ -316,13 +361,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # carry (None once unscale_ ran) and whether this rank found an inf or NaN.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        self._follow_membership()
         self.engine.step(
             grad_scale=None if grad_scale is None else float(grad_scale),
             found_inf=found_inf is not None and float(found_inf) > 0,
         )
+        self._follow_membership()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return loss
+
+    def _follow_membership(self) -> None:
+        """Elastic: ranks left; the survivors move to the next membership epoch (pyasync/membership.py)."""
+        while self._engine is not None and getattr(self._engine, "lost", None) and not self._engine.closed:
+            self._epochs.append(change_epoch(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -404,8 +456,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise err from e
 
     def stats(self) -> Stats:
-        """This rank's counters (see pyasync.Stats)."""
-        return self.engine.stats()
+        """This rank's counters (see pyasync.Stats); the current membership epoch's, with the clock
+        counted from the start and every membership change (``epochs``)."""
+        st = self.engine.stats()
+        st.clock += self._clock0
+        st.epoch = self._epoch
+        st.members = list(self._globals)
+        st.epochs = [c.as_dict() for c in self._epochs]
+        st.pushes_lost = sum(c.pushes_lost for c in self._epochs)
+        return st
 
     def close(self) -> None:
         """Drain, keep serving slower ranks until every rank has closed, apply every outstanding push,
@@ -413,7 +472,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._engine is None:
             return
         try:
+            self._follow_membership()
             self._engine.close()
+            while getattr(self._engine, "drained", False):  # a rank left during close(): change epoch
+                self._epochs.append(change_epoch(self))
+                self._engine.close()
         finally:
             if self._engine.closed and self._control is not None:
                 self._finalizer.detach()

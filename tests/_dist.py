@@ -38,7 +38,14 @@ def free_port() -> int:
 
 
 def _entry(
-    fn: Callable, rank: int, world: int, port: int, args: Sequence, results, pg_timeout: float
+    fn: Callable,
+    rank: int,
+    world: int,
+    port: int,
+    args: Sequence,
+    results,
+    pg_timeout: float,
+    external_store: bool = False,
 ) -> None:
     os.environ["PYASYNC_NUM_THREADS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -46,13 +53,18 @@ def _entry(
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout)
+        if external_store:  # the parent hosts the store: any rank may die
+            store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+            )
         try:
             out = fn(rank, world, *args)
         finally:
@@ -72,20 +84,35 @@ def run_workers(
     timeout: float = 60.0,
     may_die: Sequence[int] = (),
     exitcodes: list | None = None,
+    external_store: bool = False,
 ) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size spawned ranks; their return values by rank.
 
     may_die: ranks allowed to end without a result (e.g. killed on purpose); their value is None.
     exitcodes: a list to fill with every rank's exit code once the ranks have ended (0: a normal exit;
-    negative: the signal that ended it, e.g. -6 for SIGABRT)."""
+    negative: the signal that ended it, e.g. -6 for SIGABRT).
+    external_store: this (parent) process hosts the job's TCPStore, so that no rank's death takes it
+    down (as torchrun's agent hosts it)."""
     may_die = set(may_die)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    store = None
+    if external_store:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, port, tuple(args), results, timeout),
+            args=(fn, r, world_size, port, tuple(args), results, timeout, external_store),
             name=f"rank{r}",
             daemon=True,
         )
@@ -142,6 +169,7 @@ def run_workers(
             p.join(5)
         if exitcodes is not None:
             exitcodes[:] = [p.exitcode for p in procs]
+        del store  # a store hosted here lives until every rank has ended
     if settled() and all(s == "ok" for s, _ in got.values()):
         return [
             torch.load(io.BytesIO(got[r][1]), weights_only=False) if r in got else None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pyasync.engine import round as rnd
-from pyasync.engine.messages import Call, Close, Pause, Push, Release, Result, Stop
+from pyasync.engine.messages import Call, Close, Depart, Pause, Push, Release, Result, Stop
 from pyasync.engine.rule import ShardState, UpdateRule
 from pyasync.engine.streams import used_here, wait_event
 from pyasync.ops import codecs as ops_codecs
@@ -60,6 +60,9 @@ class Applier(threading.Thread):
                 msg = self.q.get()
                 if isinstance(msg, Push):
                     sh = self.shards[msg.bucket]
+                    if sh.round.departed[msg.worker]:  # it arrived just before its sender left
+                        self.owner.release(msg)
+                        continue
                     self._do(
                         sh,
                         sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite, msg.mask, msg),
@@ -68,6 +71,10 @@ class Applier(threading.Thread):
                 elif isinstance(msg, Close):
                     for sh in self.shards.values():
                         self._do(sh, sh.round.close(msg.worker))
+                    self.owner.progressed()
+                elif isinstance(msg, Depart):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.depart(msg.worker))
                     self.owner.progressed()
                 elif isinstance(msg, Pause):
                     for sh in self.shards.values():

@@ -16,8 +16,11 @@ Flow of one step (clock t), see docs/architecture.md:
 
 from __future__ import annotations
 
+import collections
 import datetime
+import logging
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 
@@ -43,6 +46,8 @@ from pyasync.transport.base import Transport
 
 __all__ = ["Engine"]
 
+_log = logging.getLogger("pyasync")
+
 
 class Engine(EngineBase):
     """One rank's worker and owner. Not thread-safe for the caller: drive it from one thread."""
@@ -66,8 +71,12 @@ class Engine(EngineBase):
         max_grad_norm: float | None = None,
         control=None,
         grad_edits: str = "detect",
+        elastic: bool = False,
     ) -> None:
         self.params, self.layouts, self.policy, self.rule = params, layouts, policy, rule
+        self.elastic = elastic
+        self.lost: set[int] = set()  # ranks that left the membership (elastic: pyasync/membership.py)
+        self.drained = False  # elastic: CLOSE sent and the live owners' finals installed (epoch change)
         self.max_grad_norm = max_grad_norm
         self.grad_edits = grad_edits
         self.gated = max_grad_norm is not None and policy.clips_mean and world_size > 1
@@ -146,9 +155,15 @@ class Engine(EngineBase):
             else None
         )
         self.shards = ShardAccess(self.owner, rule, layouts, params, rank, timeout, self._require_open)
+        self.step_seconds: collections.deque[float] = collections.deque(maxlen=32)  # recent step times
+        self._step_start: float | None = None
+        if elastic and transport is not None:
+            transport.on_lost = self._on_lost
         self.owner.start()
         self.pusher.start()
         self.mailbox.start()
+        if elastic and hasattr(transport, "start_heartbeats"):
+            transport.start_heartbeats(self.silence_deadline, lambda: list(self.owner.remaining))
 
     # -- errors -------------------------------------------------------------------------------------
     def fail(self, where: str, e: BaseException) -> None:
@@ -159,6 +174,62 @@ class Engine(EngineBase):
                 e.args = (f"{where}: {e}",) if not e.args else (f"{where}: {e.args[0]}", *e.args[1:])
                 self.error_trace = traceback.format_exc()
             self.cond.notify_all()
+
+    def _on_lost(self, ranks: list[int]) -> None:
+        """Elastic membership: ``ranks`` left (any thread). Nothing waits for them from now on; the
+        optimizer starts the next membership epoch at its next call (pyasync/membership.py)."""
+        with self.cond:
+            new = set(ranks) - self.lost - {self.rank}
+            if not new:
+                return
+            self.lost |= new
+            self.mailbox.depart(new)
+            self.cond.notify_all()
+        self.owner.depart(sorted(new))
+        _log.warning("pyasync: rank %d saw ranks %s leave (their connections ended)", self.rank, sorted(new))
+
+    def silence_deadline(self) -> float:
+        """Seconds of silence after which a peer counts as gone (Note [Heartbeats] in transport/tcp.py):
+        ten times this rank's median step time, at least 3 s, at most the timeout."""
+        recent = sorted(self.step_seconds)
+        typical = recent[len(recent) // 2] if recent else 0.0
+        return min(self.timeout.total_seconds(), max(3.0, 10.0 * typical))
+
+    def drain_epoch(self) -> None:
+        """Elastic membership, first half of an epoch change: CLOSE to every owner, wait (bounded) until
+        every live owner has applied every live worker's pushes and sent its final values, install
+        them. The threads keep running (the shards can still be read); ``stop_epoch`` ends them."""
+        if self.drained:  # close() already did it
+            return
+        self.check()
+        if self.in_flight is not None:
+            self._finish(self.in_flight)
+        self.drained = True
+        self.pusher.q.put(Control(wire.CLOSE, self.clock))
+        try:
+            with self.cond:
+                self.wait_seconds += wait_until(
+                    self.cond,
+                    self.mailbox.all_final,
+                    self.timeout,
+                    self._missing_finals,
+                    self._err,
+                    progress=self._progress,
+                )
+            self.mailbox.install(final=True)
+        except BaseException as e:
+            self._sticky(e)
+            raise
+
+    def stop_epoch(self) -> None:
+        """Second half: stop every thread, say goodbye to the live peers."""
+        self.closed = True
+        self.capture.remove()
+        try:
+            self._stop()
+        except BaseException:
+            self.abort()
+            raise
 
     def _notify(self) -> None:
         with self.cond:
@@ -282,6 +353,10 @@ class Engine(EngineBase):
             self.timed_out = None
             bad = self._take_nonfinite(t)
         self.mailbox.install()
+        now = time.monotonic()
+        if self._step_start is not None:
+            self.step_seconds.append(now - self._step_start)
+        self._step_start = now
         self._raise_nonfinite(bad, self.on_nonfinite)
 
     def max_norm_each(self) -> float | None:
@@ -350,15 +425,19 @@ class Engine(EngineBase):
                 self.grad_norm = self.clip.run()  # a slower rank's round: this rank still helps clip it
             self.mailbox.install(final=True)
             ok = True
+            if self.lost:  # elastic: a rank left while this one closed; the optimizer changes epoch
+                self.closed, self.drained = False, True
+                return
         except BaseException as e:
             self._sticky(e)
             raise
         finally:
-            self.capture.remove()
-            if ok:
-                self._stop()
-            else:
-                self.abort()
+            if not self.drained:
+                self.capture.remove()
+                if ok:
+                    self._stop()
+                else:
+                    self.abort()
 
     def abort(self, reason: str | None = None) -> None:
         """Stop every engine thread at once (after a failure): wake what waits, join, close the sockets.
@@ -374,7 +453,14 @@ class Engine(EngineBase):
     def _stop(self) -> None:
         self.pusher.q.put(Stop(self.timeout))
         self.pusher.join(self.timeout.total_seconds())
-        self.owner.stop(self.timeout)
+        self.owner.stop(self.timeout, receiver=not self.lost)
+        if self.lost and self.transport is not None:
+            # Ranks left: the receivers may still wait for a message only they would have sent (every
+            # live rank's CLOSE and FINAL are in); the goodbyes end those waits.
+            self.check()
+            self.transport.close()
+            if self.owner.receiver is not None:
+                self.owner.receiver.join(self.timeout.total_seconds())
         if self.mailbox.thread is not None:
             self.mailbox.thread.join(self.timeout.total_seconds())
         alive = [t.name for t in self.threads() if t.is_alive()]

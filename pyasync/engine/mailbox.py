@@ -55,9 +55,11 @@ class Mailbox:
         self.installed_clocks = {k: [-1] * spec.world_size for k in keys}
         self.reading: list[Reply] = []  # replies install() is reading (outside cond)
         self.orphans: list[Reply] = []  # replies superseded while being read
+        self.departed: set[int] = set()  # owners that left the membership: nothing more is expected of them
         self.bytes_received = 0
         self.delivered = 0  # replies delivered so far (progress, for close()'s deadline)
         remote = {k for k in keys if k[1] != rank}
+        self.expected = set(remote)  # FINAL replies the receiver still waits for
         # Coded replies (a lossy codec): the values held of each remote shard, changes decoded on receipt
         # (Note [Compressed replies on the point-to-point path] in engine/replies.py).
         self.held = HeldValues(params, layouts, remote) if coded and remote else None
@@ -67,9 +69,7 @@ class Mailbox:
             else None
         )
         self.thread = (
-            threading.Thread(target=self._loop, args=(remote,), name="pyasync-worker-recv", daemon=True)
-            if remote
-            else None
+            threading.Thread(target=self._loop, name="pyasync-worker-recv", daemon=True) if remote else None
         )
 
     def start(self) -> None:
@@ -104,7 +104,18 @@ class Mailbox:
             self.delivered += 1
             self.cond.notify_all()
 
-    def _loop(self, expected_finals: set) -> None:
+    def depart(self, owners) -> None:
+        """``owners`` left the membership: no answer or FINAL is expected from their shards (caller holds
+        cond)."""
+        self.departed |= set(owners)
+        self.expected -= {k for k in self.expected if k[1] in self.departed}
+        self.cond.notify_all()
+
+    def _live(self) -> list[tuple[int, int]]:
+        return [k for k in self.keys if k[1] not in self.departed]
+
+    def _loop(self) -> None:
+        expected_finals = self.expected
         try:
             while expected_finals:
                 frame = self.pool.get()
@@ -130,16 +141,16 @@ class Mailbox:
 
     # -- queries (caller holds cond) ----------------------------------------------------------------
     def all_answered(self, clock: int) -> bool:
-        return all(self.answered[k] >= clock for k in self.keys)
+        return all(self.answered[k] >= clock for k in self._live())
 
     def unanswered(self, clock: int) -> list[tuple[int, int]]:
-        return [k for k in self.keys if self.answered[k] < clock]
+        return [k for k in self._live() if self.answered[k] < clock]
 
     def all_final(self) -> bool:
-        return len(self.finals) == len(self.keys)
+        return all(k in self.finals for k in self._live())
 
     def not_final(self) -> list[tuple[int, int]]:
-        return [k for k in self.keys if k not in self.finals]
+        return [k for k in self._live() if k not in self.finals]
 
     def min_included_clock(self, clock: int) -> int:
         with self.cond:

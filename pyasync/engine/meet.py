@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pyasync.errors import PeerFailure
 
-__all__ = ["collective_failure", "control_group", "gave_up", "join", "roll_call", "store"]
+__all__ = ["collective_failure", "control_group", "gave_up", "global_ranks", "join", "roll_call", "store"]
 
 _generation = itertools.count()  # joins made by this process (the same sequence on every rank)
 
@@ -35,7 +35,7 @@ def store():
         return None
 
 
-def _global_ranks(group) -> list[int]:
+def global_ranks(group) -> list[int]:
     n = dist.get_world_size(group)
     return [dist.get_global_rank(group, r) for r in range(n)] if group is not None else list(range(n))
 
@@ -52,7 +52,7 @@ def join(group, timeout: datetime.timedelta, what: str, failed: BaseException | 
     construction failed before the meeting: it tells the others at once, returns, and the caller raises
     its error); "gone" once it gave up waiting, so a rank that comes later is told who gave up. Every
     rank joins every meeting, failed or not, so the meetings stay numbered alike on every rank."""
-    ranks = _global_ranks(group)
+    ranks = global_ranks(group)
     if len(ranks) == 1:
         return []
     gen = next(_generation)
@@ -121,7 +121,7 @@ def roll_call(group, tag: str, wait: datetime.timedelta) -> list[int]:
     st = store()
     if st is None:
         return []
-    ranks = _global_ranks(group)
+    ranks = global_ranks(group)
     keys = [f"pyasync/rollcall/{'-'.join(map(str, ranks))}/{tag}/{g}" for g in ranks]
     try:
         st.set(keys[ranks.index(dist.get_rank())], "1")
@@ -138,7 +138,7 @@ def control_group(group, timeout: datetime.timedelta):
     """A private gloo group of ``group``'s ranks (same order) whose collectives wait at most ``timeout``:
     the optimizer runs its own collectives there (agreement, broadcast, barrier, checkpoints), so they
     never wait the user group's timeout and never mix with the user's collectives."""
-    ranks = _global_ranks(group)
+    ranks = global_ranks(group)
     g = dist.new_group(
         ranks=ranks,
         backend="gloo",

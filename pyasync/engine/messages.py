@@ -19,6 +19,7 @@ __all__ = [
     "Close",
     "Commit",
     "Control",
+    "Depart",
     "Pause",
     "Push",
     "Release",
@@ -46,6 +47,13 @@ class Push:
 @dataclass
 class Close:
     """Worker ``worker`` has pushed everything it ever will."""
+
+    worker: int
+
+
+@dataclass
+class Depart:
+    """Worker ``worker`` left the membership (it died or was dropped): no round waits for it any more."""
 
     worker: int
 

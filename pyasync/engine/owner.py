@@ -37,7 +37,7 @@ from pyasync.engine import wire
 from pyasync.engine.applier import Applier, OwnedShard
 from pyasync.engine.clip import ClipGate
 from pyasync.engine.clock import wait_until
-from pyasync.engine.messages import Close, Pause, Push, Release, Reply, Stop
+from pyasync.engine.messages import Close, Depart, Pause, Push, Release, Reply, Stop
 from pyasync.engine.replies import ReplyFrames
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.streams import record_event
@@ -169,6 +169,8 @@ class Owner:
         self.progress = threading.Condition()
         self.watchers = 0
         self.resumes = [0] * world_size  # RESUMEs processed by every applier, per worker (see barrier)
+        self.remaining = set(range(world_size)) - {rank}  # workers that may still push (no CLOSE yet)
+        self.departed: set[int] = set()
         self._resume_parts: dict[int, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -204,6 +206,16 @@ class Owner:
         for a in self.appliers:
             a.q.put(Stop(None))
 
+    def depart(self, workers) -> None:
+        """``workers`` left the membership: every round stops waiting for them (elastic membership)."""
+        for w in workers:
+            if w in self.departed or w == self.rank:
+                continue
+            self.departed.add(w)
+            self.remaining.discard(w)
+            for a in self.appliers:
+                a.q.put(Depart(w))
+
     def local_close(self) -> None:
         for a in self.appliers:
             a.q.put(Close(self.rank))
@@ -217,13 +229,15 @@ class Owner:
         results = [a.call(fn) for a in self.appliers]
         return [r.get(timeout, f"applier {a.name}") for a, r in zip(self.appliers, results)]
 
-    def stop(self, timeout: datetime.timedelta) -> None:
+    def stop(self, timeout: datetime.timedelta, receiver: bool = True) -> None:
+        """Stop the appliers (after their replies in flight) and, with ``receiver``, join the receiver
+        (it ends at the last CLOSE)."""
         for a in self.appliers:
             if a.is_alive():
                 a.q.put(Stop(timeout))
         for a in self.appliers:
             a.join(timeout.total_seconds())
-        if self.receiver is not None:
+        if receiver and self.receiver is not None:
             self.receiver.join(timeout.total_seconds())
 
     def drain_sends(self, ap: Applier, timeout: datetime.timedelta) -> None:
@@ -282,7 +296,7 @@ class Owner:
 
     # -- receiver thread ------------------------------------------------------------------------------
     def _recv_loop(self) -> None:
-        remaining = set(range(self.n)) - {self.rank}
+        remaining = self.remaining
         try:
             while remaining:
                 self.intake.take()  # waits while the intake is full: stop reading (Note [Bounded intake])
@@ -299,6 +313,8 @@ class Owner:
                             a.q.put(Pause(src, h.kind == wire.PAUSE))
                         continue
                     if src not in remaining:
+                        if src in self.departed:
+                            continue
                         raise wire.WireError(f"rank {src} sent CLOSE twice")
                     remaining.discard(src)
                     for a in self.appliers:
@@ -332,11 +348,17 @@ class Owner:
         """Block until every applier has processed ``count`` RESUMEs from every worker."""
 
         def what() -> str:
-            late = [w for w in range(self.n) if self.resumes[w] < count]
+            late = [w for w in range(self.n) if self.resumes[w] < count and w not in self.departed]
             return f"RESUME from worker ranks {late} at rank {self.rank}'s owner (a rank left the barrier?)"
 
         with self.progress:
-            wait_until(self.progress, lambda: min(self.resumes) >= count, timeout, what, error)
+            wait_until(
+                self.progress,
+                lambda: all(self.resumes[w] >= count for w in range(self.n) if w not in self.departed),
+                timeout,
+                what,
+                error,
+            )
 
     def behind(self, want: list[int]) -> list[tuple[int, int, int]]:
         """(bucket, worker, processed) of every owned shard that has processed fewer than want[worker]

@@ -69,6 +69,14 @@ class UpdateRule:
     def fused(self) -> bool:
         return self.kind != "generic"
 
+    def state_names(self) -> list[str]:
+        """Names of the fused rule's per-element state tensors (besides the per-segment "steps")."""
+        if self.kind == "adam":
+            return ["state1", "state2"]
+        if self.kind == "sgd" and any(float(g.get("momentum", 0.0)) != 0.0 for g in self.groups):
+            return ["state1"]
+        return []
+
     def describe(self) -> list[str]:
         return [
             f"optimizer {type(self.optimizer).__module__}.{type(self.optimizer).__qualname__} ({self.kind})",

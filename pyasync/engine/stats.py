@@ -27,6 +27,10 @@ class Stats:
     buckets_reencoded: buckets encoded again in step() because their gradients changed after backward
         (or were unscaled or clipped there); see Note [What step() pushes].
     intake_peak: most received pushes this rank's owner held at once (bounded, Note [Bounded intake]).
+    epoch / members: the membership epoch and its ranks (global ranks; elastic=True, see
+        pyasync/membership.py); epochs: every membership change this rank went through (lost ranks,
+        members, seconds, pushes_lost, what was re-initialized); pushes_lost: this worker's pushes to
+        owners that died before any survivor held them. The other counters are the current epoch's.
     """
 
     clock: int = 0
@@ -44,6 +48,10 @@ class Stats:
     grad_norm: float | None = None
     buckets_reencoded: int = 0
     intake_peak: int = 0
+    epoch: int = 0
+    members: list[int] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)
+    pushes_lost: int = 0
 
 
 def collect_stats(clock: int, mailbox, owner, pusher, wait_seconds: float, grad_norm: float | None) -> Stats:

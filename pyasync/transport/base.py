@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import abc
 import datetime
+import threading
 
 import torch
 
+from pyasync.errors import PeerFailure
 from pyasync.transport.frames import FramePool, FrameRing, SendFrame
 
 __all__ = ["FLOWS", "Handle", "Transport", "TransportClosed"]
 
 FLOWS = ("push", "reply")
+_lose_lock = threading.Lock()
 
 
 class TransportClosed(RuntimeError):
@@ -55,6 +58,19 @@ class Transport(abc.ABC):
     world_size: int
     #: The raw methods take CPU tensors only: device frames are staged through pinned host memory.
     host_buffers: bool = True
+    #: Elastic membership (pyasync/membership.py): called with the ranks that left (a receive or a send
+    #: saw their connection end) instead of raising PeerFailure; sends to them are dropped from then on.
+    on_lost = None
+    departed: frozenset[int] = frozenset()
+
+    def lose(self, ranks) -> None:
+        """``ranks`` left the membership: drop every later send to them, and tell ``on_lost``."""
+        with _lose_lock:
+            new = set(ranks) - set(self.departed) - {self.rank}
+            if new:
+                self.departed = frozenset(set(self.departed) | new)
+        if new and self.on_lost is not None:
+            self.on_lost(sorted(new))
 
     @abc.abstractmethod
     def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
@@ -103,6 +119,8 @@ class Transport(abc.ABC):
         on ``flow``; its handle is kept in the frame (waited before the frame is reused). A device frame
         is first copied to its pinned host twin when the transport needs host buffers; the copy completes
         before the send starts."""
+        if dst in self.departed:
+            return  # it left the membership: nothing it could use
         buf = frame.buf if nbytes is None else frame.buf[:nbytes]
         if self.host_buffers and buf.device.type != "cpu":
             if frame.host is None:
@@ -110,7 +128,12 @@ class Transport(abc.ABC):
             host = frame.host[: buf.numel()]
             host.copy_(buf)  # synchronous: the device buffer may change right after
             buf = host
-        frame.handle = self.send(buf, dst, flow)
+        try:
+            frame.handle = self.send(buf, dst, flow)
+        except PeerFailure as e:
+            if self.on_lost is None:
+                raise
+            self.lose(e.ranks or [dst])
 
     def recv_pool(self, nbytes: int, keep: int, device: torch.device, limit: int | None = None) -> FramePool:
         """A pool of receive buffers of ``nbytes`` for messages to the engine on ``device`` (at most

@@ -52,6 +52,7 @@ _HANDSHAKE = struct.Struct("<qqqq")  # magic, token, rank, flow
 _LEN = struct.Struct("<Q")
 BYE = (1 << 64) - 1
 GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
+HEARTBEAT = (1 << 64) - 3  # nothing follows: the sender is alive (elastic membership, Note [Heartbeats])
 _BUF_BYTES = 4 << 20  # socket send / receive buffer asked for
 
 
@@ -116,6 +117,8 @@ class TcpTransport(Transport):
         self._readers = 0  # threads inside recv_any (they notice failures themselves)
         self._readers_lock = threading.Lock()
         self._woken = False  # the wake-up bytes are written: the pipes may be released
+        self._heard: dict[int, float] = {}  # peer -> when something last came from it (heartbeats)
+        self._beats: threading.Thread | None = None
         self._closed = False
         self._wake = {f: socket.socketpair() for f in FLOWS}
         self._sel = {f: selectors.DefaultSelector() for f in FLOWS}
@@ -252,6 +255,74 @@ class TcpTransport(Transport):
             err.__cause__ = cause
         return err
 
+    # -- heartbeats (elastic membership) ----------------------------------------------------------------
+    def start_heartbeats(self, deadline, watched) -> None:
+        """Send heartbeats and drop the peers that stay silent.
+
+        Note [Heartbeats]
+            A stopped process (SIGSTOP) or a partitioned host closes no connection, so under elastic
+            membership every rank sends a HEARTBEAT (an 8-byte marker, no message) on its push flow
+            to every peer every ``deadline() / 5`` seconds, and reads count whatever comes from a peer
+            as a sign of life. A peer of ``watched()`` (the workers that may still push to this rank's
+            owner) from which nothing came for ``deadline()`` seconds, and that has nothing waiting
+            unread (a receiver that stopped reading, a bounded intake, is not a silent peer), is
+            dropped: its connections are shut down, which the receivers report as a departure (and
+            the dropped rank, if it ever runs again, sees its connections closed). ``deadline()``
+            comes from the engine: a multiple of the measured step time, at most the timeout."""
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self._heard.setdefault(peer, now)
+        self._beats = threading.Thread(
+            target=self._beat, args=(deadline, watched), name="pyasync-heartbeat", daemon=True
+        )
+        self._beats.start()
+
+    def _beat(self, deadline, watched) -> None:
+        stop = self._wake.get("push")
+        while not self._closed:
+            d = max(0.05, float(deadline()))
+            for peer, s in list(self._socks["push"].items()):
+                if peer in self._failed or peer in self.departed or peer in self._gone["push"]:
+                    continue
+                lock = self._locks[("push", peer)]
+                if not lock.acquire(blocking=False):
+                    continue  # a send is under way: that is a sign of life already
+                try:
+                    if select.select([], [s], [], 0)[1]:
+                        s.sendall(_LEN.pack(HEARTBEAT))
+                except OSError:
+                    pass
+                finally:
+                    lock.release()
+            now = time.monotonic()
+            for peer in sorted(set(watched()) - set(self.departed) - set(self._failed)):
+                if now - self._heard.get(peer, now) <= d or self._pending(peer):
+                    continue
+                self._failed.setdefault(peer, f"nothing came from it for {now - self._heard[peer]:.1f} s")
+                for f in FLOWS:
+                    sk = self._socks[f].get(peer)
+                    if sk is not None:
+                        with contextlib.suppress(OSError):
+                            sk.shutdown(socket.SHUT_RDWR)
+                self.lose([peer])
+            try:
+                if stop is None or select.select([stop[0]], [], [], d / 5)[0]:
+                    return
+            except (OSError, ValueError):  # the wake-up pipe was released: the transport is closed
+                return
+
+    def _pending(self, peer: int) -> bool:
+        """Bytes from ``peer`` wait unread on one of its connections (it is alive)."""
+        socks = [self._socks[f][peer] for f in FLOWS if peer in self._socks[f]]
+        try:
+            ready = select.select(socks, [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+        if ready:
+            self._heard[peer] = time.monotonic()
+        return bool(ready)
+
     # -- sending --------------------------------------------------------------------------------------
     def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
         s = self._sock(dst, flow)
@@ -309,8 +380,18 @@ class TcpTransport(Transport):
                     peer = key.data
                     if peer is None:  # the wake-up pipe
                         raise TransportClosed("the transport was closed")
-                    if self._read_one(key.fileobj, peer, flow, buf):
-                        return peer
+                    try:
+                        if self._read_one(key.fileobj, peer, flow, buf):
+                            return peer
+                    except PeerFailure as e:
+                        if self.on_lost is None or self._closed:
+                            raise
+                        # Elastic membership: the peer left (or gave up and named others); this flow
+                        # stops listening to it and the others keep going.
+                        with contextlib.suppress(KeyError, ValueError):
+                            sel.unregister(key.fileobj)
+                        self._failed.setdefault(peer, "it left")
+                        self.lose(sorted({*e.ranks, peer}))
         finally:
             with self._readers_lock:
                 self._readers -= 1
@@ -320,16 +401,23 @@ class TcpTransport(Transport):
         s = self._sock(src, flow)
         s.settimeout(None if timeout is None else timeout.total_seconds())
         try:
-            if not self._read_one(s, src, flow, buf):
+            got = None
+            while got is None:
+                got = self._read_one(s, src, flow, buf)
+            if not got:
                 raise PeerFailure(f"pyasync: rank {src} closed its connection on flow {flow}", [src])
         finally:
             s.settimeout(self.timeout_s)
 
-    def _read_one(self, s: socket.socket, peer: int, flow: str, buf: torch.Tensor) -> bool:
-        """Read one message from ``peer`` into ``buf``; False when it was a goodbye."""
+    def _read_one(self, s: socket.socket, peer: int, flow: str, buf: torch.Tensor) -> bool | None:
+        """Read one message from ``peer`` into ``buf``; False when it was a goodbye, None for a
+        heartbeat (nothing to deliver)."""
         try:
             head = _recv_exact(s, _LEN.size)
             (n,) = _LEN.unpack(head)
+            self._heard[peer] = time.monotonic()
+            if n == HEARTBEAT:
+                return None
             if n == BYE:
                 self._gone[flow].add(peer)
                 self._sel[flow].unregister(s)

@@ -1,0 +1,266 @@
+"""Elastic membership: the survivors of a dead worker start a new membership epoch and keep training.
+
+Note [Membership epochs]
+    A DistributedOptimizer built with ``elastic=True`` (SSP, ASP, Quorum, ``bsp:p2p``) starts in epoch
+    0 with every rank of its group. When a rank leaves (its connections end: it was killed, it crashed,
+    it exited without close(); or a peer that gave up named it), every survivor's transport sees it
+    within milliseconds and the engine *departs* it: the owners' rounds stop waiting for its pushes, the
+    workers stop waiting for its shards' answers, nothing more is sent to it. The step in flight
+    finishes with the survivors. Then, at the end of that ``step()`` (or in ``close()``), each survivor
+    changes epoch (:func:`change_epoch`):
+
+    1. **Drain.** It sends CLOSE to every live owner and waits (bounded) until every live owner has
+       applied every push of every survivor and sent its final values, and installs them: no push of a
+       survivor to a live owner is lost or applied twice. Its own shards are snapshotted (masters and
+       optimizer state) and the old engine's threads stop.
+    2. **Agree.** The members of epoch e+1 are the old members minus the ranks this survivor saw leave;
+       the first survivor to write ``<job>/epoch<e+1>`` in the job's store decides, the others adopt it
+       (``compare_set``). Only a majority may decide (half, with the lowest old rank), so a rank that
+       was stopped (SIGSTOP) and dropped for its silence, and then finds every peer gone when it runs
+       again, waits for the majority's decision and finds itself left out: it raises
+       :class:`pyasync.PeerFailure` ("dropped from the job"), with its model as it was.
+    3. **A fresh group.** gloo groups cannot shrink: a new gloo group of the members is built with
+       ``new_group(..., use_local_synchronization=True)`` (only the members take part; it lives on a
+       ``PrefixStore`` of the job's store named after its ranks) and a new TCP transport over it. The
+       store must outlive every worker: under torchrun the agent hosts it; a store hosted by rank 0's
+       process dies with rank 0.
+    4. **The lost shards' values** come from the freshest replica among the survivors: the one that
+       installed the newest version of that shard (ties: the lowest rank) broadcasts it.
+       Pushes of a survivor that the dead owner had not yet answered to anybody are lost with it; each
+       survivor counts its own (``stats().pushes_lost``), from the clocks the freshest reply carries.
+    5. **Re-shard.** The buckets are cut into m shards for the m members (the checkpoints' re-sharding,
+       Note [Re-sharding]); master values and optimizer state of the live owners move to their new
+       owners exactly (an all-reduce of disjoint parts). The lost shards' optimizer state (momentum,
+       Adam moments, step counts) is re-initialized, and every worker's error-feedback residuals are
+       reset: both are reported (log line, ``stats().epochs``).
+    6. **Go on.** A new engine over the members starts from these values; means divide by m (SSP/ASP
+       scale by 1/m; Quorum(k) with k > m waits for all m). Clocks restart at 0 in the new epoch
+       (``stats().clock`` keeps counting).
+
+    BSP on collectives does not recover: a dead rank makes every survivor raise PeerFailure naming it,
+    bounded by the timeout (resume from the last checkpoint). Use ``bsp:p2p`` for a BSP that survives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pyasync.engine import meet
+from pyasync.errors import PeerFailure
+from pyasync.ops import bucketing as ops_bucketing
+from pyasync.policy import Quorum
+
+if TYPE_CHECKING:
+    from pyasync.optimizer import DistributedOptimizer
+
+__all__ = ["EpochChange", "agree_members", "change_epoch", "may_propose"]
+
+_log = logging.getLogger("pyasync")
+
+
+@dataclass
+class EpochChange:
+    """One membership change as this rank saw it (``stats().epochs``)."""
+
+    epoch: int  # the new epoch
+    lost: list[int]  # global ranks that left
+    members: list[int]  # global ranks of the new epoch
+    seconds: float  # from the start of the change on this rank to the new engine running
+    pushes_lost: int  # this worker's pushes to a lost owner that no surviving replica holds
+    reinitialized: list[str] = field(default_factory=list)  # what was not recovered
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def may_propose(proposal: list[int], old: list[int]) -> bool:
+    """Only a majority of the old members may decide the next epoch (half of them, when they include the
+    lowest old rank): a rank that was stopped and finds every peer gone when it runs again (they
+    dropped it) is a minority, and waits for the majority's decision instead of forming a job of one."""
+    return 2 * len(proposal) > len(old) or (2 * len(proposal) == len(old) and min(old) in proposal)
+
+
+def agree_members(store, key: str, proposal: list[int], old: list[int], timeout) -> list[int]:
+    """The members of the next epoch: the first proposal of a majority written at ``key`` wins
+    (``compare_set``); a minority waits (at most ``timeout``) for it."""
+    if may_propose(proposal, old):
+        got = store.compare_set(key, "", json.dumps(sorted(proposal)))
+    else:
+        try:
+            store.wait([key], timeout)
+        except Exception as e:
+            raise PeerFailure(
+                f"pyasync: this rank sees only {sorted(proposal)} of the ranks {old} still running, a "
+                f"minority, and no majority decided the next membership within {timeout}",
+                sorted(set(old) - set(proposal)),
+            ) from e
+        got = store.get(key)
+    members = json.loads(got.decode() if isinstance(got, bytes) else got)
+    if not isinstance(members, list) or not all(isinstance(r, int) for r in members):
+        raise ValueError(f"pyasync: the job's store holds a malformed membership at {key!r}: {got!r}")
+    return members
+
+
+def _flat(params: list[torch.Tensor], lay) -> torch.Tensor:
+    flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
+    ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
+    return flat
+
+
+def _unflat(params: list[torch.Tensor], lay, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        ops_bucketing.unflatten(flat, [params[p].data for p in lay.params], lay.offsets, begin=0)
+
+
+@torch.no_grad()
+def change_epoch(opt: DistributedOptimizer) -> EpochChange:
+    """Move ``opt`` to the next membership epoch without the ranks its engine saw leave (Note
+    [Membership epochs]). Every survivor calls it; bounded by the optimizer's timeout at every wait."""
+    t0 = time.monotonic()
+    old = opt._engine
+    old_globals = list(opt._globals)
+    lost_old = sorted(old.lost)
+    lost = [old_globals[r] for r in lost_old]
+    me = old_globals[opt._rank]
+
+    # 1. Drain: every live owner applies every survivor's push; final values installed.
+    old.drain_epoch()
+    snap = old.shards.snapshot()
+    with old.cond:
+        versions = dict(old.mailbox.installed_version)
+        clocks = {k: list(v) for k, v in old.mailbox.installed_clocks.items()}
+    pushed = old.clock  # this worker pushed clocks 0 .. pushed-1 to every owner
+    old.stop_epoch()
+
+    # 2. Agree on the members.
+    st = meet.store()
+    if st is None:
+        raise PeerFailure("pyasync: elastic membership needs the job's store (torch.distributed's)", lost)
+    epoch = opt._epoch + 1
+    members = agree_members(
+        st, f"{opt._job}/epoch{epoch}", [g for g in old_globals if g not in lost], old_globals, opt._timeout
+    )
+    if me not in members:
+        raise PeerFailure(
+            f"pyasync: rank {me} was dropped from the job in membership epoch {epoch} (the others saw it "
+            "leave or stall); it cannot rejoin this job: restart it, or resume from a checkpoint",
+            [me],
+        )
+    lost = [g for g in old_globals if g not in members]
+    lost_old = [old_globals.index(g) for g in lost]
+
+    # 3. A fresh group of the members.
+    group = dist.new_group(
+        ranks=members, timeout=opt._timeout, backend="gloo", use_local_synchronization=True
+    )
+    m = len(members)
+    new_rank = members.index(me)
+
+    # 4. The lost shards' values: the freshest replica among the survivors.
+    keys = [(b, r) for b, lay in enumerate(opt._layouts) for r in lost_old if lay.shards[r].numel > 0]
+    mine = torch.tensor([versions.get(k, -1) for k in keys] or [0], dtype=torch.int64)
+    table = [torch.zeros_like(mine) for _ in range(m)]
+    if m > 1:
+        dist.all_gather(table, mine, group=group)
+    else:
+        table = [mine]
+    lost_pushes = 0
+    flats = [_flat(opt._params, lay) for lay in opt._layouts]
+    for i, (b, r) in enumerate(keys):
+        col = [int(t[i]) for t in table]
+        src = col.index(max(col))
+        sh = opt._layouts[b].shards[r]
+        part = flats[b][sh.begin : sh.end].clone()
+        inc = torch.tensor(clocks.get((b, r), [-1] * len(old_globals)), dtype=torch.int64)
+        if m > 1:
+            dist.broadcast(part, src=members[src], group=group)
+            dist.broadcast(inc, src=members[src], group=group)
+        flats[b][sh.begin : sh.end] = part
+        lost_pushes += max(0, pushed - 1 - int(inc[opt._rank]))
+    for lay, flat in zip(opt._layouts, flats):
+        _unflat(opt._params, lay, flat)
+
+    # 5. Re-shard masters and optimizer state onto the members (disjoint parts, summed).
+    new_layouts = opt._build_layouts(m)
+    shards: dict[int, dict] = {}
+    for b, lay in enumerate(opt._layouts):
+        names = sorted(opt._rule.state_names())
+        full = {n: torch.zeros(lay.numel, dtype=torch.float32) for n in ["master", *names]}
+        offs = [0]
+        for sh in lay.shards:
+            offs.append(offs[-1] + len(sh.segments))
+        steps = torch.zeros(offs[-1], dtype=torch.int64)
+        own = lay.shards[opt._rank]
+        if b in snap:
+            d = snap[b]
+            full["master"][own.begin : own.end] = d["master"].reshape(-1).cpu()
+            for n in names:
+                if n in d["optim"]:
+                    full[n][own.begin : own.end] = d["optim"][n].reshape(-1).cpu()
+            steps[offs[opt._rank] : offs[opt._rank + 1]] = d["optim"]["steps"].reshape(-1)
+        if new_rank == 0:  # the lost ranges: the (now agreed) freshest values, state re-initialized
+            for r in lost_old:
+                sh = lay.shards[r]
+                full["master"][sh.begin : sh.end] = flats[b][sh.begin : sh.end].cpu()
+        if m > 1:
+            for n in ["master", *names]:
+                dist.all_reduce(full[n], group=group)
+            dist.all_reduce(steps, group=group)
+        new = new_layouts[b].shards[new_rank]
+        if new.numel == 0:
+            continue
+        spans = [
+            (sh.begin + seg.begin, sh.begin + seg.end, int(steps[offs[r] + i]))
+            for r, sh in enumerate(lay.shards)
+            for i, seg in enumerate(sh.segments)
+        ]
+        seg_steps = [
+            next(c for lo, hi, c in spans if lo <= new.begin + seg.begin < hi) for seg in new.segments
+        ]
+        dev = opt._params[0].device
+        optim = {n: full[n][new.begin : new.end].clone().to(dev) for n in names}
+        optim["steps"] = torch.tensor(seg_steps, dtype=torch.int64)
+        shards[b] = {"master": full["master"][new.begin : new.end].clone().to(dev), "optim": optim}
+    reinit = []
+    if keys:
+        reinit.append(f"optimizer state of the shards of ranks {lost} (re-initialized)")
+    if opt._comp.error_feedback:
+        opt._comp.reset()
+        reinit.append("error-feedback residuals of every worker (reset)")
+
+    # 6. The new engine.
+    policy = opt._policy
+    if isinstance(policy, Quorum) and policy.k > m:
+        policy = Quorum(m, late=policy.late)
+    opt._start_epoch(group, members, new_layouts, policy, epoch, pushed)
+    opt._engine.shards.load(shards)
+    change = EpochChange(
+        epoch=epoch,
+        lost=lost,
+        members=members,
+        seconds=time.monotonic() - t0,
+        pushes_lost=lost_pushes,
+        reinitialized=reinit,
+    )
+    _log.warning(
+        "pyasync: membership epoch %d: ranks %s left; %d ranks %s go on (rank %d is now %d of %d); "
+        "recovered in %.3f s; %d of this worker's pushes to the lost owners were lost; re-initialized: %s",
+        epoch,
+        lost,
+        m,
+        members,
+        me,
+        new_rank,
+        m,
+        change.seconds,
+        lost_pushes,
+        "; ".join(reinit) or "nothing",
+    )
+    return change
