@@ -43,8 +43,11 @@ Note [Membership epochs]
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -108,6 +111,25 @@ def agree_members(store, key: str, proposal: list[int], old: list[int], timeout)
     return members
 
 
+def _saved_state(opt: DistributedOptimizer, ranks: list[int]) -> dict | None:
+    """{old rank: its shards} from the last checkpoint this optimizer saved in the current epoch (its
+    files checked as a load checks them), or None when there is none or it cannot be read."""
+    last = opt._last_checkpoint
+    if last is None or last[1] != opt._epoch:
+        return None
+    from pyasync.checkpoint.validate import read_manifest, read_shard
+
+    d = last[0]
+    try:
+        m = read_manifest(d)
+        mpath = os.path.join(d, "manifest.json")
+        out = {r: read_shard(d, mpath, m, r, opt, opt._world)["shards"] for r in ranks}
+    except Exception as e:
+        _log.warning("pyasync: the last checkpoint (%s) could not be read for the lost shards: %s", d, e)
+        return None
+    return out
+
+
 def _flat(params: list[torch.Tensor], lay) -> torch.Tensor:
     flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
     ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
@@ -117,6 +139,30 @@ def _flat(params: list[torch.Tensor], lay) -> torch.Tensor:
 def _unflat(params: list[torch.Tensor], lay, flat: torch.Tensor) -> None:
     with torch.no_grad():
         ops_bucketing.unflatten(flat, [params[p].data for p in lay.params], lay.offsets, begin=0)
+
+
+def _meet(st, prefix: str, members: list[int], me: int, tp, old_globals: list[int], timeout) -> list[int]:
+    """Wait (at most ``timeout``) until every member has written its key under ``prefix``; the members
+    whose old connections ended meanwhile (they died during the epoch change), if any, instead."""
+    st.set(f"{prefix}/{me}", "ok")
+    keys = {g: f"{prefix}/{g}" for g in members}
+    end = time.monotonic() + timeout.total_seconds()
+    while True:
+        missing = [g for g in members if not st.check([keys[g]])]
+        if not missing:
+            return []
+        failed = tp.probe() if tp is not None else {}
+        died = [g for g in missing if old_globals.index(g) in failed]
+        if died:
+            return died
+        if time.monotonic() > end:
+            raise PeerFailure(
+                f"pyasync: ranks {missing} did not join membership epoch {prefix.rsplit('/', 2)[-2]} "
+                f"within {timeout.total_seconds():g} s",
+                missing,
+            )
+        with contextlib.suppress(Exception):  # a bounded wait for the keys, then look again
+            st.wait([keys[g] for g in missing], datetime.timedelta(seconds=0.1))
 
 
 @torch.no_grad()
@@ -137,22 +183,39 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
         versions = dict(old.mailbox.installed_version)
         clocks = {k: list(v) for k, v in old.mailbox.installed_clocks.items()}
     pushed = old.clock  # this worker pushed clocks 0 .. pushed-1 to every owner
-    old.stop_epoch()
+    old.stop_epoch()  # the threads stop; the transport stays open until the members met
 
-    # 2. Agree on the members.
+    # 2. Agree on the members, and meet them in the store (a member that dies meanwhile: again without it).
     st = meet.store()
     if st is None:
         raise PeerFailure("pyasync: elastic membership needs the job's store (torch.distributed's)", lost)
-    epoch = opt._epoch + 1
-    members = agree_members(
-        st, f"{opt._job}/epoch{epoch}", [g for g in old_globals if g not in lost], old_globals, opt._timeout
-    )
-    if me not in members:
-        raise PeerFailure(
-            f"pyasync: rank {me} was dropped from the job in membership epoch {epoch} (the others saw it "
-            "leave or stall); it cannot rejoin this job: restart it, or resume from a checkpoint",
-            [me],
-        )
+    tp_old = old.transport
+    gone = set(lost)
+    epoch = opt._epoch
+    try:
+        while True:
+            epoch += 1
+            members = agree_members(
+                st,
+                f"{opt._job}/epoch{epoch}",
+                [g for g in old_globals if g not in gone],
+                old_globals,
+                opt._timeout,
+            )
+            if me not in members:
+                raise PeerFailure(
+                    f"pyasync: rank {me} was dropped from the job in membership epoch {epoch} (the others "
+                    "saw it leave or stall); it cannot rejoin this job: restart it, or resume from a "
+                    "checkpoint",
+                    [me],
+                )
+            died = _meet(st, f"{opt._job}/epoch{epoch}/here", members, me, tp_old, old_globals, opt._timeout)
+            if not died:
+                break
+            gone |= set(died)
+    finally:
+        if tp_old is not None:
+            tp_old.close()
     lost = [g for g in old_globals if g not in members]
     lost_old = [old_globals.index(g) for g in lost]
 
@@ -189,6 +252,10 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
 
     # 5. Re-shard masters and optimizer state onto the members (disjoint parts, summed).
     new_layouts = opt._build_layouts(m)
+    ckpt = _saved_state(opt, lost_old) if new_rank == 0 and keys else None
+    flag = torch.tensor([1 if ckpt else 0], dtype=torch.int64)
+    if m > 1:
+        dist.broadcast(flag, src=members[0], group=group)
     shards: dict[int, dict] = {}
     for b, lay in enumerate(opt._layouts):
         names = sorted(opt._rule.state_names())
@@ -205,10 +272,16 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
                 if n in d["optim"]:
                     full[n][own.begin : own.end] = d["optim"][n].reshape(-1).cpu()
             steps[offs[opt._rank] : offs[opt._rank + 1]] = d["optim"]["steps"].reshape(-1)
-        if new_rank == 0:  # the lost ranges: the (now agreed) freshest values, state re-initialized
+        if new_rank == 0:  # the lost ranges: the (now agreed) freshest values; state from the checkpoint
             for r in lost_old:
                 sh = lay.shards[r]
                 full["master"][sh.begin : sh.end] = flats[b][sh.begin : sh.end].cpu()
+                saved = (ckpt or {}).get(r, {}).get(str(b))
+                if saved is not None and sh.numel > 0:
+                    for n in names:
+                        if n in saved["optim"]:
+                            full[n][sh.begin : sh.end] = saved["optim"][n].reshape(-1).cpu()
+                    steps[offs[r] : offs[r + 1]] = saved["optim"]["steps"].reshape(-1)
         if m > 1:
             for n in ["master", *names]:
                 dist.all_reduce(full[n], group=group)
@@ -229,8 +302,12 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
         optim["steps"] = torch.tensor(seg_steps, dtype=torch.int64)
         shards[b] = {"master": full["master"][new.begin : new.end].clone().to(dev), "optim": optim}
     reinit = []
-    if keys:
-        reinit.append(f"optimizer state of the shards of ranks {lost} (re-initialized)")
+    if keys and int(flag) == 1:
+        reinit.append(
+            f"optimizer state of the shards of ranks {lost} (from the checkpoint {opt._last_checkpoint[0]})"
+        )
+    elif keys:
+        reinit.append(f"optimizer state of the shards of ranks {lost} (re-initialized: no checkpoint)")
     if opt._comp.error_feedback:
         opt._comp.reset()
         reinit.append("error-feedback residuals of every worker (reset)")

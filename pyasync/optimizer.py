@@ -173,6 +173,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer)
             self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (pyasync/membership.py)
+            self._last_checkpoint: tuple[str, int] | None = None  # (directory, epoch) of the last save
             self._group = process_group
             self._rank = dist.get_rank(process_group)
             if self._rank < 0:

@@ -187,3 +187,93 @@ def test_a_stalled_worker_is_dropped_and_told_when_it_wakes_up():
         torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
     err = res[victim]["err"]
     assert err is not None and "dropped from the job" in err["msg"], err
+
+
+def _deaths(rank: int, world: int, plan: dict, ckpt: str | None):
+    """Train 20 steps under ASP; ``plan``: rank -> (step, where) at which it kills itself: "step" (at the
+    start of step t), "later" (from step t on, once the first epoch change is done), "recovery" (inside
+    the epoch change, after its drain), "save" (while writing its checkpoint file at step 4)."""
+    import pyasync.checkpoint.save as save_mod
+    import pyasync.membership as membership
+
+    p = torch.nn.Parameter(torch.zeros(96))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=0.05, momentum=0.9),
+        policy="asp",
+        timeout=TIMEOUT,
+        elastic=True,
+        bucket_cap_mb=32 * 4 / 2**20,
+    )
+    at, where = plan.get(rank, (-1, None))
+    if where == "recovery":
+        real = membership.agree_members
+        membership.agree_members = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL) or real(*a, **k)
+    errors = []
+    for t in range(20):
+        if (t == at and where == "step") or (t >= at and where == "later" and opt.stats().epoch >= 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        p.grad = torch.full_like(p, float(rank + 1)) * (1 + t % 3)
+        opt.step()
+        if ckpt is not None and t == 4:
+            if where == "save":
+                save_mod.atomic_write = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                pyasync.save_checkpoint(ckpt, opt)
+            except pyasync.CheckpointError as e:
+                errors.append(str(e)[:200])
+    opt.close()
+    st = opt.stats()
+    return {"p": p.detach().clone(), "epochs": st.epochs, "clock": st.clock, "errors": errors}
+
+
+def _check_deaths(res, dead, changes):
+    live = [r for r in range(len(res)) if r not in dead]
+    for r in dead:
+        assert res[r] is None
+    for r in live:
+        assert res[r]["clock"] == 20, res[r]
+        assert len(res[r]["epochs"]) == changes, res[r]["epochs"]
+        assert res[r]["epochs"][-1]["members"] == live
+        assert sorted(g for c in res[r]["epochs"] for g in c["lost"]) == sorted(dead)
+        torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
+    return [res[r] for r in live]
+
+
+@multiproc
+def test_two_deaths_in_a_row():
+    plan = {3: (4, "step"), 1: (8, "later")}
+    _check_deaths(run_workers(_deaths, WORLD, args=(plan, None), timeout=150, may_die=(1, 3)), [1, 3], 2)
+
+
+@multiproc
+def test_a_death_during_the_epoch_change():
+    """Rank 3 dies; rank 2 dies inside the epoch change that follows (after its drain, before it meets
+    the others): the survivors go on without both, in one more epoch."""
+    plan = {3: (5, "step"), 2: (-1, "recovery")}
+    recs = _check_deaths(
+        run_workers(_deaths, WORLD, args=(plan, None), timeout=150, may_die=(2, 3)), [2, 3], 1
+    )
+    assert all(r["epochs"][0]["epoch"] >= 1 for r in recs)
+
+
+@multiproc
+def test_a_death_during_a_checkpoint_save(tmp_path):
+    """Rank 2 dies while writing its checkpoint file: the survivors' save fails with a clear
+    CheckpointError, and they go on training without it."""
+    plan = {2: (-1, "save")}
+    recs = _check_deaths(
+        run_workers(_deaths, WORLD, args=(plan, str(tmp_path / "ck")), timeout=150, may_die=(2,)), [2], 1
+    )
+    assert all(len(r["errors"]) == 1 for r in recs)
+
+
+@multiproc
+def test_lost_optimizer_state_comes_from_the_last_checkpoint(tmp_path):
+    plan = {1: (9, "step")}
+    recs = _check_deaths(
+        run_workers(_deaths, WORLD, args=(plan, str(tmp_path / "ck")), timeout=150, may_die=(1,)), [1], 1
+    )
+    for r in recs:
+        (what,) = r["epochs"][0]["reinitialized"]
+        assert "from the checkpoint" in what, what

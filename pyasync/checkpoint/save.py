@@ -194,6 +194,7 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     lk = dirlock.DirLock(d) if opt.rank == 0 else None
     try:
         _save(d, opt, lk)
+        opt._last_checkpoint = (d, opt._epoch)  # elastic: the lost shards' optimizer state comes from here
     finally:
         if lk is not None:
             lk.release()

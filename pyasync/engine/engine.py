@@ -196,9 +196,11 @@ class Engine(EngineBase):
         return min(self.timeout.total_seconds(), max(3.0, 10.0 * typical))
 
     def drain_epoch(self) -> None:
-        """Elastic membership, first half of an epoch change: CLOSE to every owner, wait (bounded) until
-        every live owner has applied every live worker's pushes and sent its final values, install
-        them. The threads keep running (the shards can still be read); ``stop_epoch`` ends them."""
+        """Elastic membership, first half of an epoch change: CLOSE to every owner, wait (at most twice
+        the timeout: a survivor blocked in a collective with the dead rank, a checkpoint save, notices
+        only when that collective times out) until every live owner has applied every live worker's
+        pushes and sent its final values, install them. The threads keep running (the shards can still
+        be read); ``stop_epoch`` ends them."""
         if self.drained:  # close() already did it
             return
         self.check()
@@ -211,7 +213,7 @@ class Engine(EngineBase):
                 self.wait_seconds += wait_until(
                     self.cond,
                     self.mailbox.all_final,
-                    self.timeout,
+                    2 * self.timeout,  # a survivor may first sit out a collective (a save) for a timeout
                     self._missing_finals,
                     self._err,
                     progress=self._progress,
@@ -222,11 +224,12 @@ class Engine(EngineBase):
             raise
 
     def stop_epoch(self) -> None:
-        """Second half: stop every thread, say goodbye to the live peers."""
+        """Second half: stop every thread, say goodbye to the live peers. The transport stays open (its
+        connections still tell who dies during the epoch change) until ``transport.close()``."""
         self.closed = True
         self.capture.remove()
         try:
-            self._stop()
+            self._stop(close_transport=False)
         except BaseException:
             self.abort()
             raise
@@ -450,15 +453,15 @@ class Engine(EngineBase):
         for t in self.threads():
             t.join(min(5.0, self.timeout.total_seconds()))
 
-    def _stop(self) -> None:
+    def _stop(self, close_transport: bool = True) -> None:
         self.pusher.q.put(Stop(self.timeout))
         self.pusher.join(self.timeout.total_seconds())
         self.owner.stop(self.timeout, receiver=not self.lost)
         if self.lost and self.transport is not None:
             # Ranks left: the receivers may still wait for a message only they would have sent (every
-            # live rank's CLOSE and FINAL are in); the goodbyes end those waits.
+            # live rank's CLOSE and FINAL are in); waking them ends those waits.
             self.check()
-            self.transport.close()
+            self.transport.wake_receivers()
             if self.owner.receiver is not None:
                 self.owner.receiver.join(self.timeout.total_seconds())
         if self.mailbox.thread is not None:
@@ -469,7 +472,10 @@ class Engine(EngineBase):
             raise TimeoutError(f"pyasync: threads {alive} did not stop within {self.timeout}")
         self.check()
         if self.transport is not None:
-            self.transport.close()
+            if hasattr(self.transport, "stop_heartbeats"):
+                self.transport.stop_heartbeats()
+            if close_transport:
+                self.transport.close()
 
     def threads(self) -> list[threading.Thread]:
         return [t for t in (self.pusher, self.mailbox.thread, *self.owner.threads()) if t is not None]

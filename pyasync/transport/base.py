@@ -104,6 +104,14 @@ class Transport(abc.ABC):
         if the transport can carry them."""
         self.close()
 
+    def wake_receivers(self) -> None:
+        """Wake the threads waiting in ``recv_any`` without closing (elastic engines)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support elastic membership")
+
+    def probe(self) -> dict[int, str]:
+        """Peers seen failing so far (rank -> what happened), looking once more when it can."""
+        return self.wait_failures(0.0)
+
     def wait_failures(self, seconds: float) -> dict[int, str]:
         """Peers this transport saw fail (rank -> what happened), waiting up to ``seconds`` for one."""
         return {}

@@ -119,6 +119,7 @@ class TcpTransport(Transport):
         self._woken = False  # the wake-up bytes are written: the pipes may be released
         self._heard: dict[int, float] = {}  # peer -> when something last came from it (heartbeats)
         self._beats: threading.Thread | None = None
+        self._beats_off = threading.Event()
         self._closed = False
         self._wake = {f: socket.socketpair() for f in FLOWS}
         self._sel = {f: selectors.DefaultSelector() for f in FLOWS}
@@ -205,6 +206,20 @@ class TcpTransport(Transport):
                 self._probe(min(left, 0.1))
         return dict(self._failed)
 
+    def wake_receivers(self) -> None:
+        """Wake every receiver waiting in ``recv_any`` (it raises TransportClosed); the connections stay
+        open (an elastic engine stopping its threads before the epoch change)."""
+        with self._readers_lock:
+            for f in FLOWS:
+                with contextlib.suppress(OSError, KeyError):
+                    self._wake[f][1].send(b"x")
+
+    def probe(self) -> dict[int, str]:
+        """With no receiver running: the peers whose connections have ended by now (rank -> what)."""
+        if self._readers == 0 and not self._closed:
+            self._probe(0.0)
+        return dict(self._failed)
+
     def _probe(self, wait_s: float) -> None:
         """With nobody reading: which connections have ended? (Only valid while no message is expected.)"""
         socks = {
@@ -218,6 +233,14 @@ class TcpTransport(Transport):
             f, peer = socks[s]
             try:
                 head = s.recv(_LEN.size, socket.MSG_PEEK)
+                while len(head) == _LEN.size and _LEN.unpack(head)[0] == HEARTBEAT:
+                    s.recv(_LEN.size)  # a heartbeat nobody read: consume it, look behind it
+                    if not select.select([s], [], [], 0)[0]:
+                        head = None
+                        break
+                    head = s.recv(_LEN.size, socket.MSG_PEEK)
+                if head is None:
+                    continue
                 if head == b"":
                     self._fail(peer, f"its connection on flow {f} ended without a goodbye")
                 elif len(head) == _LEN.size and _LEN.unpack(head)[0] == GAVE_UP:
@@ -278,9 +301,14 @@ class TcpTransport(Transport):
         )
         self._beats.start()
 
+    def stop_heartbeats(self) -> None:
+        """Stop sending heartbeats and watching for silence (the engine stopped; bounded join)."""
+        self._beats_off.set()
+        if self._beats is not None:
+            self._beats.join(5.0)
+
     def _beat(self, deadline, watched) -> None:
-        stop = self._wake.get("push")
-        while not self._closed:
+        while not self._closed and not self._beats_off.is_set():
             d = max(0.05, float(deadline()))
             for peer, s in list(self._socks["push"].items()):
                 if peer in self._failed or peer in self.departed or peer in self._gone["push"]:
@@ -306,10 +334,7 @@ class TcpTransport(Transport):
                         with contextlib.suppress(OSError):
                             sk.shutdown(socket.SHUT_RDWR)
                 self.lose([peer])
-            try:
-                if stop is None or select.select([stop[0]], [], [], d / 5)[0]:
-                    return
-            except (OSError, ValueError):  # the wake-up pipe was released: the transport is closed
+            if self._beats_off.wait(d / 5):
                 return
 
     def _pending(self, peer: int) -> bool:
@@ -497,6 +522,7 @@ class TcpTransport(Transport):
                     lock.release()
 
     def _shutdown(self) -> None:
+        self._beats_off.set()
         with self._readers_lock:  # no reader may release the wake-up pipes while they are written
             self._closed = True
             for f in FLOWS:
