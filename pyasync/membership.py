@@ -76,6 +76,8 @@ class EpochChange:
     lost: list[int]  # global ranks that left
     members: list[int]  # global ranks of the new epoch
     seconds: float  # from the start of the change on this rank to the new engine running
+    seen_at: float  # wall time (time.time()) this rank first saw a rank leave
+    started_at: float  # wall time the change started on this rank (at the end of the step in flight)
     pushes_lost: int  # this worker's pushes to a lost owner that no surviving replica holds
     reinitialized: list[str] = field(default_factory=list)  # what was not recovered
 
@@ -169,8 +171,9 @@ def _meet(st, prefix: str, members: list[int], me: int, tp, old_globals: list[in
 def change_epoch(opt: DistributedOptimizer) -> EpochChange:
     """Move ``opt`` to the next membership epoch without the ranks its engine saw leave (Note
     [Membership epochs]). Every survivor calls it; bounded by the optimizer's timeout at every wait."""
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     old = opt._engine
+    seen = old.lost_at or started
     old_globals = list(opt._globals)
     lost_old = sorted(old.lost)
     lost = [old_globals[r] for r in lost_old]
@@ -323,6 +326,8 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
         lost=lost,
         members=members,
         seconds=time.monotonic() - t0,
+        seen_at=seen,
+        started_at=started,
         pushes_lost=lost_pushes,
         reinitialized=reinit,
     )

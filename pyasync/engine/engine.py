@@ -77,6 +77,7 @@ class Engine(EngineBase):
         self.elastic = elastic
         self.lost: set[int] = set()  # ranks that left the membership (elastic: pyasync/membership.py)
         self.drained = False  # elastic: CLOSE sent and the live owners' finals installed (epoch change)
+        self.lost_at: float | None = None  # wall time (time.time()) this rank first saw a rank leave
         self.max_grad_norm = max_grad_norm
         self.grad_edits = grad_edits
         self.gated = max_grad_norm is not None and policy.clips_mean and world_size > 1
@@ -183,6 +184,7 @@ class Engine(EngineBase):
             if not new:
                 return
             self.lost |= new
+            self.lost_at = self.lost_at or time.time()
             self.mailbox.depart(new)
             self.cond.notify_all()
         self.owner.depart(sorted(new))
