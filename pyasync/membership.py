@@ -18,7 +18,7 @@ Note [Membership epochs]
        (``compare_set``). Only a majority may decide (half, with the lowest old rank), so a rank that
        was stopped (SIGSTOP) and dropped for its silence, and then finds every peer gone when it runs
        again, waits for the majority's decision and finds itself left out: it raises
-       :class:`pyasync.PeerFailure` ("dropped from the job"), with its model as it was.
+       :class:`pyasync.PeerFailure` ("dropped from the job").
     3. **A fresh group.** gloo groups cannot shrink: a new gloo group of the members is built with
        ``new_group(..., use_local_synchronization=True)`` (only the members take part; it lives on a
        ``PrefixStore`` of the job's store named after its ranks) and a new TCP transport over it. The
@@ -31,8 +31,9 @@ Note [Membership epochs]
     5. **Re-shard.** The buckets are cut into m shards for the m members (the checkpoints' re-sharding,
        Note [Re-sharding]); master values and optimizer state of the live owners move to their new
        owners exactly (an all-reduce of disjoint parts). The lost shards' optimizer state (momentum,
-       Adam moments, step counts) is re-initialized, and every worker's error-feedback residuals are
-       reset: both are reported (log line, ``stats().epochs``).
+       Adam moments, step counts) comes from the last checkpoint saved in this epoch, else it is
+       re-initialized; every worker's error-feedback residuals are reset: both are reported (log
+       line, ``stats().epochs``).
     6. **Go on.** A new engine over the members starts from these values; means divide by m (SSP/ASP
        scale by 1/m; Quorum(k) with k > m waits for all m). Clocks restart at 0 in the new epoch
        (``stats().clock`` keeps counting).
