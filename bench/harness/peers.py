@@ -66,13 +66,13 @@ HIVEMIND_AVERAGING_TIMEOUT_S = 30.0
 
 def peer_status(kind: str) -> str | None:
     """None when the peer ``kind`` ("hivemind" or "torchft") imports here, else why not (one line)."""
+    if kind not in ("hivemind", "torchft"):
+        raise ValueError(f"unknown peer kind {kind!r}")
     try:
         if kind == "hivemind":
             import hivemind  # noqa: F401
-        elif kind == "torchft":
-            import torchft  # noqa: F401
         else:
-            raise ValueError(f"unknown peer kind {kind!r}")
+            import torchft  # noqa: F401
     except ImportError as e:
         return f"{type(e).__name__}: {e} (make the peers' venv: bash bench/peers/setup.sh)"
     except Exception as e:  # a broken install: say what broke

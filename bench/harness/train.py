@@ -122,13 +122,14 @@ def bench_worker(
             record.update(mb_sent=None, mb_received=None, bytes_per_step=None)
         else:  # socket counts: what was sent (received bytes are another socket's sent bytes)
             record["mb_received"] = record["mb_sent"]
-        if link is not None:
-            peer["link"] = "not emulated"  # Note [Peers and the link]
+        if link is not None:  # Note [Peers and the link]: the run's bandwidth, but not behind it
+            peer["link"] = "not emulated"
+            record["link_emulated"] = False
     extras = {  # placed after the demo's field they follow, in the order the benchmark has always used
         "kind": {"model": cfg.model},
         "straggler": {"transient": transient, "speeds": None if cfg.speeds is None else list(cfg.speeds)},
         "compute_s_per_rank": {
-            "bandwidth_gbps": None if link is None or cfg.system.kind == "hivemind" else link.gbps,
+            "bandwidth_gbps": None if link is None else link.gbps,
             "ddp_hook": ddp_hook,
             **({} if peer is None else {"peer": peer}),
         },
