@@ -246,6 +246,20 @@ def hivemind_trainer(cfg: BenchConfig, model: nn.Module, rank: int, store: dist.
         verbose=False,
     )
     _wait_for_swarm(dht, run_id, rank, cfg.workers, cfg.timeout_s)
+    # How long hivemind.Optimizer.step takes on this rank (its local SGD step, progress reports, epoch
+    # checks and averaging hand-offs): the per-step cost the tables' throughput includes.
+    in_step = {"s": 0.0, "calls": 0}
+    inner_step = opt.step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_step(*args, **kwargs)
+        finally:
+            in_step["s"] += time.perf_counter() - t0
+            in_step["calls"] += 1
+
+    opt.step = timed_step
     counter = SocketBytes(cfg.workers)
     counter.start()
 
@@ -264,6 +278,7 @@ def hivemind_trainer(cfg: BenchConfig, model: nn.Module, rank: int, store: dist.
         "averaging_timeout_s": HIVEMIND_AVERAGING_TIMEOUT_S,
         "target_group_size": cfg.workers,
         "local_epoch": int(opt.local_epoch),
+        "rank0_step_ms_mean": 1e3 * in_step["s"] / max(1, in_step["calls"]),
         "bytes": "p2pd TCP bytes_sent" if counter.available else None,
         "p2pd_sockets": counter.buckets,
     }
