@@ -112,7 +112,7 @@ def _tree_worker(cfg, rank, store, progress=None, data=None):
 def _pids_of(store, prefix, workers):
     out = []
     for r in range(workers):
-        key = f"{prefix}harness/pids{r}"
+        key = f"{prefix}harness//pids{r}"  # the workers' PrefixStore joins its prefix and key with "/"
         store.wait([key], datetime.timedelta(seconds=5))
         out += [int(x) for x in store.get(key).decode().split(",")]
     return out

@@ -104,15 +104,21 @@ def end_process_groups(pgids: list[int], grace_s: float = 10.0) -> list[int]:
             live.append(g)
         except (ProcessLookupError, PermissionError):  # empty group
             pass
-    deadline = time.monotonic() + grace_s
-    left = [pid for g in live for pid in process_group_members(g)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling /proc: no event tells the parent when a grandchild exits
+
+    def wait_empty(seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
         left = [pid for g in live for pid in process_group_members(g)]
-    for g in live:
-        if process_group_members(g):
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling /proc: no event tells the parent when a grandchild exits
+            left = [pid for g in live for pid in process_group_members(g)]
+        return left
+
+    left = wait_empty(grace_s)
+    if left:
+        for g in live:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(g, signal.SIGKILL)
+        wait_empty(10.0)  # SIGKILL cannot be refused, but it lands asynchronously
     return left
 
 
