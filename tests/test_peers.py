@@ -250,6 +250,19 @@ def _load_bench():
     return mod
 
 
+def _p2pd_pids() -> set[int]:
+    out = set()
+    for e in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/comm") as f:
+                    if f.read().strip() == "p2pd":
+                        out.add(int(e))
+            except OSError:
+                pass
+    return out
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["torchft", "hivemind:4"])
 def test_peer_tiny_run(tmp_path, kind):
@@ -261,7 +274,7 @@ def test_peer_tiny_run(tmp_path, kind):
     args = ["--out", str(out), "--workers", "2", "--epochs", "4", "--batch-size", "32", "--systems", kind]
     args += ["--scenarios", "equal", "--models", "mlp", "--device-ms", "5", "--bandwidth", "4"]
     args += ["--eval-points", "5", "--no-progress", "--run-timeout", "300"]
-    before = set(P.descendants(os.getpid()))
+    before = _p2pd_pids()
     (rec,) = bench.main(args)
     assert not rec.get("error") and rec["samples_per_s"] > 0 and 0 < rec["final_acc"] <= 1
     peer = rec["peer"]
@@ -276,7 +289,9 @@ def test_peer_tiny_run(tmp_path, kind):
         assert rec["link_emulated"] is False and rec["samples_per_s_vs_ddp"] is None  # no ddp in this run
         if peer["bytes"] is not None:
             assert rec["mb_sent"] > 0
-    assert set(P.descendants(os.getpid())) <= before  # no p2pd, no averager left behind
+    # hivemind's processes outlive their worker as orphans (no longer our descendants) if anything: look
+    # for libp2p daemons machine-wide (nothing else here runs one).
+    assert _p2pd_pids() <= before
 
 
 def test_summary_marks_rows_outside_the_link():
