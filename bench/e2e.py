@@ -1,7 +1,8 @@
 """End-to-end benchmark: DDP (plain, fp16, PowerSGD), pyasync's policies with and without compression, and
-hivemind, trained on the same data, model and seed, with equal workers, a persistent straggler and
-transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated link of fixed
-bandwidth and on an emulated accelerator.
+the peers hivemind and torchft, trained on the same data, model and seed, with equal workers, a persistent
+straggler and transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated
+link of fixed bandwidth and on an emulated accelerator. The peers need their own venv
+(``bash bench/peers/setup.sh``; run this script with ``.venv-peers/bin/python``), else they are skipped.
 
     python bench/e2e.py --out e2e_out                    # everything (long; run on a quiet machine)
     python bench/e2e.py --out /tmp/e2e_quick --quick     # every system kind, a few minutes
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python bench/e2e.py",
         description="End-to-end benchmark: DDP and its compression hooks, pyasync policies with "
-        "compression, and hivemind, under equal workers, a straggler and transient slowdowns.",
+        "compression, hivemind and torchft, under equal workers, a straggler and transient slowdowns.",
     )
     p.add_argument("--out", required=True, help="directory for e2e.json and the plots")
     p.add_argument(
