@@ -1,7 +1,8 @@
 """End-to-end benchmark: DDP (plain, fp16, PowerSGD), pyasync's policies with and without compression, and
-hivemind, trained on the same data, model and seed, with equal workers, a persistent straggler and
-transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated link of fixed
-bandwidth and on an emulated accelerator.
+the peers hivemind and torchft, trained on the same data, model and seed, with equal workers, a persistent
+straggler and transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated
+link of fixed bandwidth and on an emulated accelerator. The peers need their own venv
+(``bash bench/peers/setup.sh``; run this script with ``.venv-peers/bin/python``), else they are skipped.
 
     python bench/e2e.py --out e2e_out                    # everything (long; run on a quiet machine)
     python bench/e2e.py --out /tmp/e2e_quick --quick     # every system kind, a few minutes
@@ -34,6 +35,7 @@ common.use_source_tree()
 
 from harness import scenarios as S  # noqa: E402
 from harness import summary as E  # noqa: E402
+from harness.peers import peer_status  # noqa: E402
 from harness.plots import plot_e2e  # noqa: E402
 from harness.train import calibrate_local, run_bench  # noqa: E402
 from harness.workload import MODELS, BenchConfig, parse_systems  # noqa: E402
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python bench/e2e.py",
         description="End-to-end benchmark: DDP and its compression hooks, pyasync policies with "
-        "compression, and hivemind, under equal workers, a straggler and transient slowdowns.",
+        "compression, hivemind and torchft, under equal workers, a straggler and transient slowdowns.",
     )
     p.add_argument("--out", required=True, help="directory for e2e.json and the plots")
     p.add_argument(
@@ -95,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         default=None,
-        help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind, or a pyasync policy (bsp, ssp:S, "
-        "asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... "
+        help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind[:ROUND], torchft, or a pyasync "
+        "policy (bsp, ssp:S, asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... "
         "(default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
@@ -145,11 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def hivemind_status() -> str | None:
     """None when hivemind imports, else why not (one line)."""
-    try:
-        import hivemind  # noqa: F401
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+    return peer_status("hivemind")
 
 
 def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, S.Scenario]]:
@@ -205,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     plan = _plan(args, models)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "e2e.json")
-    no_hivemind = hivemind_status() if any(s.kind == "hivemind" for s in systems) else None
+    missing = {k: peer_status(k) for k in {s.kind for s in systems if s.is_peer}}
+    missing = {k: why for k, why in missing.items() if why is not None}
     machine = common.machine_info()
     command = common.command_line()
 
@@ -276,8 +275,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "command": command,
                 "quick": args.quick,
             }
-            if system.kind == "hivemind" and no_hivemind is not None:
-                note = f"skipped: hivemind is not importable ({no_hivemind})"
+            if system.kind in missing:
+                note = f"skipped: {system.kind} is not importable ({missing[system.kind]})"
                 records.append({**base, "skipped": True, "note": note})
                 print(f"{model}/{sc.name}/{system.name}: {note}", file=sys.stderr)
                 _write_json(json_path, records)
@@ -326,8 +325,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             f"device: {args.device_ms:g} ms of emulated compute per step (a sleep that leaves the CPU free; "
             "slowdowns are multiples of it)"
         )
-    if no_hivemind is not None:
-        print(f"hivemind: skipped ({no_hivemind})")
+    for kind, why in sorted(missing.items()):
+        print(f"{kind}: skipped ({why})")
     print(E.format_summary(records))
     paths = plot_e2e(records, args.out)
     print(f"\nresults: {json_path}\nplots: {', '.join(paths) or '(none)'}\ntotal {total_s:.0f} s")

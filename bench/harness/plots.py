@@ -7,14 +7,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _POLICY_COLORS = {"ddp": "black", "bsp": "tab:blue", "ssp": "tab:orange", "asp": "tab:green",
-                  "quorum": "tab:red", "hivemind": "tab:purple"}  # fmt: skip
+                  "quorum": "tab:red", "hivemind": "tab:purple", "torchft": "tab:brown"}  # fmt: skip
 _CODEC_STYLES = {None: "-", "none": "-", "fp16": "--", "int8": "--", "bf16": "--", "sign": "-.",
                  "topk": ":", "powersgd": ":"}  # fmt: skip
 
 
 def _style(r: Mapping[str, Any]) -> dict[str, Any]:
-    """Line colour by system family (DDP, each policy, hivemind), line style by compression."""
-    family = r.get("kind") if r.get("kind") in ("ddp", "hivemind") else (r.get("policy") or "").split(":")[0]
+    """Line colour by system family (DDP, each policy, hivemind, torchft), line style by compression."""
+    kind = r.get("kind")
+    family = kind if kind in ("ddp", "hivemind", "torchft") else (r.get("policy") or "").split(":")[0]
     codec = (r.get("compression") or "none").split(":")[0]
     return {"color": _POLICY_COLORS.get(family, "tab:gray"), "linestyle": _CODEC_STYLES.get(codec, "-")}
 

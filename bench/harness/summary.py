@@ -101,6 +101,8 @@ _DEVICE = ("device_ms", "device ms", "{:g}")
 
 
 def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
+    if key == "system" and r.get("link_emulated") is False:  # not behind --bandwidth's link: say so
+        return f"{r.get(key)} (no link)"
     if key in ("model", "scenario", "system"):
         return str(r.get(key))
     if key == "device_ms":  # a property of the run: shown for skipped and failed runs too

@@ -11,17 +11,11 @@ Note [Emulated link]
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from linkemu import Link, ThrottledTransport
-from torch import nn
 
 from pyasync.demo.data import Digits
 from pyasync.demo.local import run_local
@@ -31,6 +25,7 @@ from pyasync.demo.systems import Trainer, build_ddp, build_pyasync
 from pyasync.demo.train import RankRun, setup, timed_loop
 from pyasync.transport.gloo import GlooTransport
 
+from . import peers
 from .ddp import DdpCommState, ddp_comm_hook
 from .slowdowns import plan_slowdowns
 from .workload import MODELS, BenchConfig, powersgd_warmup
@@ -41,48 +36,9 @@ def gloo_behind_link(link: Link):
     return lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link)
 
 
-def _hivemind_trainer(cfg: BenchConfig, model: nn.Module, rank: int, store: dist.Store) -> Trainer:
-    """``hivemind.Optimizer`` for ``model``: rank 0 starts a DHT on loopback, the others join it.
-
-    hivemind's default (synchronous) mode: gradients are accumulated until the swarm has processed
-    ``batch_size * workers`` samples, then averaged by an all-reduce among the peers found by
-    matchmaking, as one global step of the same size as DDP's. Needs ``import hivemind``.
-    """
-    import hivemind
-
-    host = ["/ip4/127.0.0.1/tcp/0"]
-    if rank == 0:
-        dht = hivemind.DHT(host_maddrs=host, start=True)
-        peers = [str(a) for a in dht.get_visible_maddrs()]
-        run_id = f"pyasync-{cfg.system.name}-{os.getpid()}-{time.time_ns()}"
-        store.set("hivemind", json.dumps({"peers": peers, "run_id": run_id}))
-    else:
-        store.wait(["hivemind"], datetime.timedelta(seconds=cfg.timeout_s))
-        info = json.loads(store.get("hivemind"))
-        run_id = info["run_id"]
-        dht = hivemind.DHT(host_maddrs=host, initial_peers=info["peers"], start=True)
-    lr, momentum = cfg.lr, cfg.momentum
-    opt = hivemind.Optimizer(
-        dht=dht,
-        run_id=run_id,
-        batch_size_per_step=cfg.batch_size,
-        target_batch_size=cfg.batch_size * cfg.workers,
-        params=model.parameters(),
-        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
-        matchmaking_time=1.0,
-        averaging_timeout=cfg.timeout_s,
-        verbose=False,
-    )
-
-    def shutdown() -> None:
-        opt.shutdown()
-        dht.shutdown()
-
-    return Trainer(net=model, opt=opt, shutdown=shutdown)
-
-
 def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link | None) -> Trainer:
-    """DDP with ``cfg.system``'s hook, pyasync, or hivemind; behind ``link`` when given."""
+    """DDP with ``cfg.system``'s hook, pyasync, hivemind or torchft; behind ``link`` when given (except
+    hivemind, see Note [Peers and the link] in peers.py)."""
     if cfg.system.is_ddp:
         warmup = None
         if cfg.system.ddp_hook == "powersgd":
@@ -105,7 +61,11 @@ def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link 
         return build_ddp(run.model, cfg, state, ddp_comm_hook, **ddp_kwargs)
     if cfg.system.is_pyasync:
         return build_pyasync(run.model, cfg, transport=None if link is None else gloo_behind_link(link))
-    return _hivemind_trainer(cfg, run.model, run.rank, store)
+    if cfg.system.kind == "torchft":
+        return peers.torchft_trainer(cfg, run.model, run.rank, store, link)
+    if cfg.system.kind == "hivemind":
+        return peers.hivemind_trainer(cfg, run.model, run.rank, store)
+    raise ValueError(f"system {cfg.system.name!r}: unknown kind {cfg.system.kind!r}")
 
 
 def bench_worker(
@@ -133,7 +93,7 @@ def bench_worker(
     record = make_record(cfg, run, trainer, loop, injected, progress)
     if record is None:
         return None
-    comm = trainer.ddp_bytes
+    comm = trainer.ddp_bytes if cfg.system.is_ddp else None  # peers count in their own ByteCount
     transient = (
         None
         if cfg.transient is None
@@ -156,10 +116,23 @@ def bench_worker(
         }
     )
     record["config"] = {"model": cfg.model, "data": MODELS[cfg.model].data, **record["config"]}
+    peer = trainer.peer_info() if hasattr(trainer, "peer_info") else None
+    if peer is not None and cfg.system.kind == "hivemind":
+        if peer["bytes"] is None:  # no socket counts here: say so rather than report 0
+            record.update(mb_sent=None, mb_received=None, bytes_per_step=None)
+        else:  # socket counts: what was sent (received bytes are another socket's sent bytes)
+            record["mb_received"] = record["mb_sent"]
+        if link is not None:  # Note [Peers and the link]: the run's bandwidth, but not behind it
+            peer["link"] = "not emulated"
+            record["link_emulated"] = False
     extras = {  # placed after the demo's field they follow, in the order the benchmark has always used
         "kind": {"model": cfg.model},
         "straggler": {"transient": transient, "speeds": None if cfg.speeds is None else list(cfg.speeds)},
-        "compute_s_per_rank": {"bandwidth_gbps": None if link is None else link.gbps, "ddp_hook": ddp_hook},
+        "compute_s_per_rank": {
+            "bandwidth_gbps": None if link is None else link.gbps,
+            "ddp_hook": ddp_hook,
+            **({} if peer is None else {"peer": peer}),
+        },
     }
     out: dict[str, Any] = {}
     for key, value in record.items():

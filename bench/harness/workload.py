@@ -19,6 +19,9 @@ from pyasync.demo.data import Digits, load_digits_split
 # Systems: the demo's, plus DDP's compression hooks and hivemind
 # ---------------------------------------------------------------------------------------------------
 
+#: The other libraries' systems (bench/harness/peers.py), which need the peers' venv.
+PEER_KINDS = ("hivemind", "torchft")
+
 #: PowerSGD rank of ``ddp+powersgd`` (rank 2 keeps ~99% of this MLP's bytes off the wire).
 DEFAULT_POWERSGD_RANK = 2
 
@@ -26,7 +29,16 @@ DEFAULT_POWERSGD_RANK = 2
 @dataclasses.dataclass(frozen=True)
 class BenchSystem(SystemSpec):
     """A system of the benchmark: the demo's kinds, ``ddp`` with a compression hook (``compression`` holds
-    ``fp16`` or ``powersgd:RANK``), or ``kind="hivemind"`` (hivemind.Optimizer)."""
+    ``fp16`` or ``powersgd:RANK``), or a peer: ``kind="hivemind"`` (hivemind.Optimizer, ``peer_round``
+    steps of every peer per averaging round) or ``kind="torchft"`` (torchft's Manager and DDP); see
+    ``bench/harness/peers.py``."""
+
+    peer_round: int | None = None  # hivemind: steps of every peer per averaging round (None: default)
+
+    @property
+    def is_peer(self) -> bool:
+        """True for the other libraries the benchmark runs (hivemind, torchft)."""
+        return self.kind in PEER_KINDS
 
     @property
     def ddp_hook(self) -> str | None:
@@ -65,7 +77,8 @@ def _parse_ddp_hook(name: str, codec: str) -> str:
 
 def parse_system(token: str, workers: int) -> BenchSystem:
     """Parse one system name: the demo's (``ddp``, or a pyasync policy optionally ``+COMPRESSION``, see
-    ``pyasync.demo.config.parse_system``), ``ddp+fp16``, ``ddp+powersgd[:RANK]`` or ``hivemind``.
+    ``pyasync.demo.config.parse_system``), ``ddp+fp16``, ``ddp+powersgd[:RANK]``, ``hivemind[:ROUND]``
+    (ROUND: steps of every peer per averaging round, an int >= 1) or ``torchft``.
 
     ``ddp+fp16`` and ``ddp+powersgd`` are DDP with torch's ``fp16_compress_hook`` and ``powerSGD_hook``
     (rank 2 unless given). Raises ValueError naming the token.
@@ -75,14 +88,31 @@ def parse_system(token: str, workers: int) -> BenchSystem:
     if base == "ddp" and plus:
         hook = _parse_ddp_hook(name, codec)
         return BenchSystem(name=name, policy=None, compression=hook, synchronous=True, kind="ddp")
-    if base == "hivemind":
+    head, colon, arg = base.partition(":")
+    if head in PEER_KINDS:
         if plus:
-            raise ValueError(f"system {name!r}: hivemind runs without compression here")
-        return BenchSystem(name=name, policy=None, compression=None, synchronous=False, kind="hivemind")
+            raise ValueError(f"system {name!r}: {head} runs without compression here")
+        if head == "torchft":
+            if colon:
+                raise ValueError(f"system {name!r}: torchft takes no argument")
+            return BenchSystem(name=name, policy=None, compression=None, synchronous=True, kind="torchft")
+        try:
+            rounds = int(arg) if colon else None
+        except ValueError:
+            rounds = 0
+        if rounds is not None and rounds < 1:
+            raise ValueError(
+                f"system {name!r}: hivemind's round must be an int >= 1 of steps, e.g. hivemind:16"
+            )
+        return BenchSystem(
+            name=name, policy=None, compression=None, synchronous=False, kind="hivemind", peer_round=rounds
+        )
     try:
         spec = parse_demo_system(name, workers)
     except ValueError as e:
-        raise ValueError(f"{e} (the benchmark also runs 'ddp+fp16', 'ddp+powersgd' and 'hivemind')") from None
+        raise ValueError(
+            f"{e} (the benchmark also runs 'ddp+fp16', 'ddp+powersgd', 'hivemind' and 'torchft')"
+        ) from None
     return BenchSystem(**dataclasses.asdict(spec))
 
 

@@ -1,10 +1,24 @@
-"""Local runs: one system trained by spawned worker processes on this machine, gloo over loopback."""
+"""Local runs: one system trained by spawned worker processes on this machine, gloo over loopback.
+
+Note [Worker process trees]
+    A worker may start processes of its own (hivemind's DHT and averagers, their libp2p daemons), and
+    terminating the worker does not end them. So every worker makes itself the leader of a new process
+    group first thing (``os.setpgid(0, 0)``); what it starts stays in that group unless it moves itself
+    out. When a run ends, however it ends (result, failure, timeout, Ctrl-C in the parent), the parent
+    sends SIGTERM to each worker's whole group, waits up to ``grace_s`` for the group to empty, and
+    then sends SIGKILL to whatever is left (:func:`end_process_groups`). A worker's group id is its pid;
+    the kernel does not hand out a pid again while a process group of that id has members, so the id
+    names no other group while anything of the worker's is left. Linux only (the group's members are
+    read from /proc); elsewhere the signals still go to the groups but nothing waits for them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_mod
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +50,7 @@ class WorkerError(RuntimeError):
 def _local_worker(
     rank: int, worker: Worker, cfg: TrainConfig, data: Digits, port: int, prefix: str, queue: Any
 ) -> None:
+    os.setpgid(0, 0)  # a group of its own, ended whole when the run ends: Note [Worker process trees]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
@@ -55,6 +70,58 @@ def _local_worker(
     os._exit(0)
 
 
+def process_group_members(pgid: int) -> list[int]:
+    """The pids of the live (not zombie) processes of process group ``pgid``, read from /proc (Linux);
+    an empty list where there is no /proc."""
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def end_process_groups(pgids: list[int], grace_s: float = 10.0) -> list[int]:
+    """SIGTERM every process of the process groups ``pgids``, wait up to ``grace_s`` seconds for them to
+    exit, SIGKILL those left; returns the pids that were still there for SIGKILL (empty when all went on
+    SIGTERM). See Note [Worker process trees]."""
+    live = []
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGTERM)
+            live.append(g)
+        except (ProcessLookupError, PermissionError):  # empty group
+            pass
+
+    def wait_empty(seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
+        left = [pid for g in live for pid in process_group_members(g)]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling /proc: no event tells the parent when a grandchild exits
+            left = [pid for g in live for pid in process_group_members(g)]
+        return left
+
+    left = wait_empty(grace_s)
+    if left:
+        for g in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(g, signal.SIGKILL)
+        wait_empty(10.0)  # SIGKILL cannot be refused, but it lands asynchronously
+    return left
+
+
 def run_local(
     cfg: TrainConfig,
     store: dist.TCPStore,
@@ -70,8 +137,9 @@ def run_local(
     ``store`` is a server from :func:`start_store_server` (kept by the caller across runs); ``prefix``
     must be unique per run. ``progress(samples)`` is called in this process as training advances.
     Raises :class:`WorkerError` with the worker's traceback when a worker fails, and when the run takes
-    longer than ``run_timeout_s`` seconds (the workers are terminated either way). ``label`` names the
-    run in errors (default: ``run 'SYSTEM'``).
+    longer than ``run_timeout_s`` seconds (the workers are terminated either way). Whatever the workers
+    started is ended with them (Note [Worker process trees]). ``label`` names the run in errors
+    (default: ``run 'SYSTEM'``).
     """
     label = f"run {cfg.system.name!r}" if label is None else label
     return _spawn(worker, label, cfg, store, prefix, progress, run_timeout_s)
@@ -129,9 +197,8 @@ def _spawn(
                     "terminated (raise --run-timeout if the machine is just slow)"
                 )
     finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
+        # Each worker leads a process group of its own (Note [Worker process trees]): end them whole.
+        end_process_groups([p.pid for p in procs.processes])
         for p in procs.processes:
             p.join(timeout=10)
             if p.is_alive():
