@@ -172,6 +172,8 @@ def _run_kill(policy: str, point: str, world: int, victim: int, tmp) -> list[dic
         else:
             assert _peer_failure_naming(err, victim), rec
             assert f"rank {victim} failed" in err["msg"], err
+        if policy == "bsp" and rec["failed_call"] == "step":
+            assert "resume from the last checkpoint" in err["msg"], err
         if point == "barrier":
             assert rec["failed_call"] == "barrier", rec
         if rec["failed_call"] != "close":

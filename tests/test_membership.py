@@ -37,15 +37,15 @@ def _ledger(rank: int, world: int, policy: str, victim: int, kill_at: int, where
         elastic=True,
         bucket_cap_mb=64 * 4 / 2**20,  # several buckets: several shards per owner rank
     )
-    if rank == victim and where == "step":
+    if rank == victim and where == "step":  # inside step(), before anything of it is sent
         opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL) if t == kill_at else None)
+    if rank == victim and where == "backward":  # inside backward()
+        p.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL) if t == kill_at else None)
     for t in range(STEPS):
         opt.zero_grad()
         g = torch.zeros(n)
         g[_pos(rank, t, n)] = 1.0
-        if rank == victim and where == "backward" and t == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        p.grad = g
+        (p * g).sum().backward()  # p.grad = g
         opt.step()
     opt.close()
     st = opt.stats()
@@ -59,6 +59,7 @@ def _ledger(rank: int, world: int, policy: str, victim: int, kill_at: int, where
         ("asp", 2, "step", None),
         ("ssp:2", 1, "backward", None),
         ("quorum:3", 3, "step", None),
+        ("bsp:p2p", 2, "backward", None),
         ("asp", 1, "step", "int8"),
     ],
 )

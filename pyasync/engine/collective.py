@@ -96,6 +96,13 @@ class _Here:
         """Nothing to forget: the replica is read again from the parameters (StepGather)."""
 
 
+#: What a survivor of a dead rank can do under BSP on collectives (it cannot go on without it).
+_RESUME = (
+    "BSP on collectives cannot go on without a rank: resume from the last checkpoint "
+    "(pyasync.load_checkpoint), or train with elastic=True under bsp:p2p, SSP, ASP or Quorum"
+)
+
+
 class CollectiveEngine(StepReduce, StepGather, EngineBase):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
 
@@ -179,6 +186,8 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
                 )
             else:
                 err = RuntimeError(f"pyasync: {what} of step {self.clock} failed: {e}")
+        if isinstance(err, PeerFailure) and _RESUME not in str(err):
+            err.args = (f"{err.args[0]}; {_RESUME}", *err.args[1:])
         self._sticky(err)
         return err
 
