@@ -61,6 +61,8 @@ POINTS = ["backward", "before_step", "step_pre_hook", "mid_push", "save", "barri
 CASES = [(p, x) for p in ("bsp", "asp") for x in POINTS] + [
     ("ssp:1", "before_step"), ("ssp:1", "mid_push"), ("ssp:1", "save"),
     ("quorum", "backward"), ("quorum", "step_pre_hook"), ("quorum", "save"), ("quorum", "barrier"),
+    # coded replies and pushes (int8 both ways): the same promises
+    ("asp+int8", "mid_push"), ("ssp:1+int8", "before_step"), ("bsp+int8", "backward"),
 ]
 if os.environ.get("PYASYNC_FAULT_MATRIX") == "full":
     CASES = [(p, x) for p in ("bsp", "ssp:1", "asp", "quorum") for x in POINTS]
@@ -104,7 +106,8 @@ def _killed(rank, world, policy, point, victim, ready, seen, tmp):
     test_a_rank_that_gives_up_does_not_hide_the_true_cause in test_failures_stalls.py)."""
     import pyasync
 
-    model, opt = make(policy, world, TIMEOUT)
+    policy, _, codec = policy.partition("+")  # "asp+int8": ASP with int8 pushes and replies
+    model, opt = make(policy, world, TIMEOUT, compression=codec or None)
     me = rank == victim
     armed = [False]
     if me:
@@ -172,7 +175,7 @@ def _run_kill(policy: str, point: str, world: int, victim: int, tmp) -> list[dic
         else:
             assert _peer_failure_naming(err, victim), rec
             assert f"rank {victim} failed" in err["msg"], err
-        if policy == "bsp" and rec["failed_call"] == "step":
+        if policy.partition("+")[0] == "bsp" and rec["failed_call"] == "step":
             assert "resume from the last checkpoint" in err["msg"], err
         if point == "barrier":
             assert rec["failed_call"] == "barrier", rec
