@@ -44,7 +44,7 @@ from pyasync.demo.cli import add_device_option  # noqa: E402
 from pyasync.demo.local import WorkerError, progress_bar, start_store_server  # noqa: E402
 
 #: Budgets of --quick, in passes over the training set; the wide model runs only the equal scenario.
-QUICK_EPOCHS = {"mlp": 15, "wide": 3, "seq": 4}
+QUICK_EPOCHS = {"mlp": 15, "wide": 3, "seq": 2}
 QUICK_WIDE_SCENARIOS = ("equal",)
 
 #: Keys every record starts with (the JSON holds more, see docs/benchmarks.md).
