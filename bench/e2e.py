@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a few minutes: every system kind once, short budgets "
-        f"({', '.join(f'{m} {e} epochs' for m, e in QUICK_EPOCHS.items())}; wide: equal scenario only)",
+        f"({', '.join(f'{m} {e} epochs' for m, e in QUICK_EPOCHS.items())}; wide, seq: equal only)",
     )
     p.add_argument(
         "--bandwidth",
@@ -157,7 +157,7 @@ def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, S.Scen
     plan = []
     for m in models:
         for sc in scenarios:
-            if args.quick and m == "wide" and args.scenarios is None and sc.name not in QUICK_WIDE_SCENARIOS:
+            if args.quick and m != "mlp" and args.scenarios is None and sc.name not in QUICK_WIDE_SCENARIOS:
                 continue
             plan.append((m, sc))
     return plan

@@ -120,6 +120,7 @@ def test_e2e_tiny_seq_run(tmp_path):
     saved = json.loads((out / "e2e.json").read_text())
     assert [r["system"] for r in saved] == ["ddp", "asp:inverse+topk:0.01"] and len(records) == 2
     assert (out / "accuracy_vs_time_seq.png").stat().st_size > 0
+    assert (out / "accuracy_vs_samples_seq.png").stat().st_size > 0
     steps = h.steps_per_epoch(8192, 2, 64)
     for r in saved:
         assert not r.get("error") and r["model"] == "seq" and r["replicas_equal"] is True
@@ -133,3 +134,26 @@ def test_e2e_tiny_seq_run(tmp_path):
     assert ddp["bytes_per_step"] == pytest.approx(n_params * 4)  # ring all-reduce, n=2: 1x the gradient
     assert asp["policy"] == "asp:inverse" and asp["compression"] == "topk:0.01"
     assert asp["bytes_per_step"] < 0.2 * ddp["bytes_per_step"]
+
+
+def test_quick_plan_runs_seq_on_equal_workers_only():
+    bench = _load_bench()
+    args = bench.build_parser().parse_args(["--out", "x", "--quick"])
+    plan = [(m, sc.name) for m, sc in bench._plan(args, ["mlp", "wide", "seq"])]
+    assert [sc for m, sc in plan if m == "seq"] == ["equal"]
+    assert [sc for m, sc in plan if m == "mlp"] == ["equal", "slow2x", "transient"]
+    args = bench.build_parser().parse_args(["--out", "x", "--quick", "--scenarios", "slow2x"])
+    assert [(m, sc.name) for m, sc in bench._plan(args, ["seq"])] == [("seq", "slow2x")]
+    assert bench.QUICK_EPOCHS.keys() == W.MODELS.keys()
+
+
+def test_plot_styles_tell_policy_variants_apart():
+    from harness.plots import _style
+
+    names = ["ddp", "bsp", "ssp:1", "ssp:3", "asp", "asp:inverse", "quorum:3", "quorum:3:fold"]
+    styles = {n: _style({"kind": "ddp" if n == "ddp" else "pyasync", "policy": None if n == "ddp" else n})
+              for n in names}  # fmt: skip
+    assert len({s["color"] for s in styles.values()}) == len(names)
+    assert _style({"policy": "ssp:2"})["color"] == styles["ssp:1"]["color"]
+    int8 = _style({"policy": "asp", "compression": "int8"})
+    assert int8["color"] == styles["asp"]["color"] and int8["linestyle"] != styles["asp"]["linestyle"]
