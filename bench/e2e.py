@@ -44,7 +44,7 @@ from pyasync.demo.cli import add_device_option  # noqa: E402
 from pyasync.demo.local import WorkerError, progress_bar, start_store_server  # noqa: E402
 
 #: Budgets of --quick, in passes over the training set; the wide model runs only the equal scenario.
-QUICK_EPOCHS = {"mlp": 15, "wide": 3}
+QUICK_EPOCHS = {"mlp": 15, "wide": 3, "seq": 2}
 QUICK_WIDE_SCENARIOS = ("equal",)
 
 #: Keys every record starts with (the JSON holds more, see docs/benchmarks.md).
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a few minutes: every system kind once, short budgets "
-        f"({', '.join(f'{m} {e} epochs' for m, e in QUICK_EPOCHS.items())}; wide: equal scenario only)",
+        f"({', '.join(f'{m} {e} epochs' for m, e in QUICK_EPOCHS.items())}; wide, seq: equal only)",
     )
     p.add_argument(
         "--bandwidth",
@@ -157,7 +157,7 @@ def _plan(args: argparse.Namespace, models: list[str]) -> list[tuple[str, S.Scen
     plan = []
     for m in models:
         for sc in scenarios:
-            if args.quick and m == "wide" and args.scenarios is None and sc.name not in QUICK_WIDE_SCENARIOS:
+            if args.quick and m != "mlp" and args.scenarios is None and sc.name not in QUICK_WIDE_SCENARIOS:
                 continue
             plan.append((m, sc))
     return plan
@@ -227,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 batch_size=args.batch_size,
                 hidden=spec.hidden,
                 lr=spec.lr,
+                momentum=spec.momentum,
                 seed=args.seed,
                 straggler=sc.straggler,
                 transient=sc.transient,

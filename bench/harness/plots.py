@@ -1,4 +1,4 @@
-"""The end-to-end benchmark's plots: accuracy against wall-clock time and throughput, per model."""
+"""The end-to-end benchmark's plots, per model: accuracy against wall-clock time and samples, throughput."""
 
 from __future__ import annotations
 
@@ -12,21 +12,36 @@ _CODEC_STYLES = {None: "-", "none": "-", "fp16": "--", "int8": "--", "bf16": "--
                  "topk": ":", "powersgd": ":"}  # fmt: skip
 
 
+#: Variants of a policy get a colour of their own, so they can be told from the plain policy in one panel.
+_VARIANT_COLORS = {"ssp-wide": "tab:cyan", "asp:inverse": "tab:olive", "quorum-fold": "tab:pink"}
+
+
 def _style(r: Mapping[str, Any]) -> dict[str, Any]:
-    """Line colour by system family (DDP, each policy, hivemind, torchft), line style by compression."""
+    """Line colour by system family (DDP, each policy, hivemind, torchft), line style by compression. SSP
+    with a bound of 3 or more, ``asp:inverse`` and Quorum with ``:fold`` get colours of their own."""
+    policy = r.get("policy") or ""
     kind = r.get("kind")
-    family = kind if kind in ("ddp", "hivemind", "torchft") else (r.get("policy") or "").split(":")[0]
+    family = kind if kind in ("ddp", "hivemind", "torchft") else policy.split(":")[0]
+    args = policy.split(":")[1:]
+    color = _POLICY_COLORS.get(family, "tab:gray")
+    if family == "ssp" and args and args[0].isdigit() and int(args[0]) >= 3:
+        color = _VARIANT_COLORS["ssp-wide"]
+    elif family == "asp" and "inverse" in args:
+        color = _VARIANT_COLORS["asp:inverse"]
+    elif family == "quorum" and "fold" in args:
+        color = _VARIANT_COLORS["quorum-fold"]
     codec = (r.get("compression") or "none").split(":")[0]
-    return {"color": _POLICY_COLORS.get(family, "tab:gray"), "linestyle": _CODEC_STYLES.get(codec, "-")}
+    return {"color": color, "linestyle": _CODEC_STYLES.get(codec, "-")}
 
 
 def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
     """Write the end-to-end benchmark's PNGs into ``out_dir``; returns their paths.
 
     Per model: ``accuracy_vs_time_MODEL.png`` (one panel per scenario, test accuracy against wall-clock
-    seconds, one line per system, the target as a dashed line) and ``throughput_MODEL.png`` (one panel
-    per scenario, samples/s per system with DDP's as a vertical line). Skipped or failed runs are left
-    out.
+    seconds, one line per system, the target as a dashed line), ``accuracy_vs_samples_MODEL.png`` (the
+    same against the samples the cluster had claimed: what each system gets from a sample, whatever its
+    speed) and ``throughput_MODEL.png`` (one panel per scenario, samples/s per system with DDP's as a
+    vertical line). Skipped or failed runs are left out.
     """
     import matplotlib
 
@@ -44,33 +59,38 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
         link += f", emulated device {device:g} ms/step" if device else ""
         n = len(scenarios)
 
-        fig, axes = plt.subplots(
-            1, n, figsize=(5.0 * n + 2.0, 4.4), sharey=True, squeeze=False, layout="constrained"
-        )
-        for ax, sc in zip(axes[0], scenarios, strict=True):
-            rows = [r for r in mine if r["scenario"] == sc]
-            for r in rows:
-                ax.plot(
-                    [p["t"] for p in r["curve"]],
-                    [p["acc"] for p in r["curve"]],
-                    label=r["system"],
-                    linewidth=1.4,
-                    **_style(r),
-                )
-            target = rows[0].get("target_acc")
-            if target is not None:
-                ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
-            ax.set_title(f"{sc}: {rows[0].get('scenario_about', '')}", fontsize=9)
-            ax.set_xlabel("wall-clock time (s)")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel("test accuracy (rank 0's parameters)")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-        fig.suptitle(f"model {model}: accuracy against wall-clock time{link}")
-        path = os.path.join(out_dir, f"accuracy_vs_time_{model}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        for x_key, x_label, stem in (
+            ("t", "wall-clock time (s)", "accuracy_vs_time"),
+            ("samples", "samples claimed (all workers)", "accuracy_vs_samples"),
+        ):
+            fig, axes = plt.subplots(
+                1, n, figsize=(5.0 * n + 2.0, 4.4), sharey=True, squeeze=False, layout="constrained"
+            )
+            for ax, sc in zip(axes[0], scenarios, strict=True):
+                rows = [r for r in mine if r["scenario"] == sc]
+                for r in rows:
+                    ax.plot(
+                        [p[x_key] for p in r["curve"]],
+                        [p["acc"] for p in r["curve"]],
+                        label=r["system"],
+                        linewidth=1.4,
+                        **_style(r),
+                    )
+                target = rows[0].get("target_acc")
+                if target is not None:
+                    ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
+                ax.set_title(f"{sc}: {rows[0].get('scenario_about', '')}", fontsize=9)
+                ax.set_xlabel(x_label)
+                ax.grid(alpha=0.3)
+            axes[0][0].set_ylabel("test accuracy (rank 0's parameters)")
+            handles, labels = axes[0][0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+            against = "wall-clock time" if x_key == "t" else "samples processed"
+            fig.suptitle(f"model {model}: accuracy against {against}{link}")
+            path = os.path.join(out_dir, f"{stem}_{model}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
 
         fig, axes = plt.subplots(
             1, n, figsize=(max(7.0, 4.6 * n), 0.3 * len(mine) / n + 1.9), squeeze=False, layout="constrained"

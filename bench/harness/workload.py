@@ -1,6 +1,6 @@
 """The benchmark's workloads and options on top of the demo's: a second (wide) model on a synthetic teacher
-task, DDP's compression hooks and hivemind as systems, and :class:`BenchConfig`, the demo's
-TrainConfig with the benchmark's slowdowns, link and model."""
+task, a third (seq) where staleness hurts (``seqtask``), DDP's compression hooks and hivemind as systems,
+and :class:`BenchConfig`, the demo's TrainConfig with the benchmark's slowdowns, link and model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import functools
 import math
 
 import torch
+from torch import nn
 
 from pyasync.demo.config import SystemSpec, TrainConfig
 from pyasync.demo.config import parse_system as parse_demo_system
 from pyasync.demo.config import parse_systems as parse_demo_systems
 from pyasync.demo.data import Digits, load_digits_split
+
+from .seqtask import SEQ_LENGTH, load_sort_split, make_seq_model
 
 # ---------------------------------------------------------------------------------------------------
 # Systems: the demo's, plus DDP's compression hooks and hivemind
@@ -173,22 +176,29 @@ def load_teacher_split(
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One workload of the benchmarks: a data set and the MLP trained on it."""
+    """One workload of the benchmarks: a data set and the model trained on it (an MLP, or for ``seq`` the
+    transformer of ``seqtask``)."""
 
     name: str  # key of MODELS
-    features: int  # input width of the MLP
-    hidden: int  # default width of its two hidden layers
+    features: int  # input width of the MLP (seq: tokens per sequence)
+    hidden: int  # default width of its two hidden layers (seq: the transformer's width)
     lr: float  # default SGD learning rate
     target: float  # default target test accuracy for time-to-target (reachable in the default budget)
     epochs: int  # default budget of python bench/e2e.py (passes over the training set)
     data: str  # what it trains on, in words
+    momentum: float = 0.0  # default SGD momentum
 
 
 #: The workloads. "mlp" is the demo's (digits, ~300K parameters, 1.2 MB); "wide" has ~4.7M parameters
-#: (19 MB of fp32 gradients per step) on the teacher task, where the wire starts to matter.
+#: (19 MB of fp32 gradients per step) on the teacher task, where the wire starts to matter; "seq" is a
+#: 2-layer transformer (~70K parameters) sorting 12 digits with SGD at momentum 0.9, where staleness
+#: costs accuracy (see Note [Why staleness hurts here] in ``seqtask``).
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", 64, 512, 0.2, 0.95, 20, "scikit-learn digits (8x8 images)"),
     "wide": ModelSpec("wide", 256, 2048, 0.05, 0.90, 6, "synthetic teacher task (256 features)"),
+    "seq": ModelSpec(
+        "seq", SEQ_LENGTH, 64, 0.03, 0.95, 8, f"synthetic sorting task ({SEQ_LENGTH} digits)", momentum=0.9
+    ),
 }
 
 
@@ -198,6 +208,8 @@ def load_split(model: str, seed: int = 0) -> Digits:
         return load_digits_split(seed)
     if model == "wide":
         return load_teacher_split(seed)
+    if model == "seq":
+        return load_sort_split(seed)
     raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
 
 
@@ -211,7 +223,7 @@ class BenchConfig(TrainConfig):
     """The demo's TrainConfig plus the benchmark's model, slowdowns, DDP hooks and link; the same on every
     rank."""
 
-    model: str = "mlp"  # workload, a key of MODELS: "mlp" (digits) or "wide" (synthetic teacher task)
+    model: str = "mlp"  # workload, a key of MODELS: "mlp" (digits), "wide" (teacher task), "seq" (sorting)
     transient: tuple[float, float] | None = None  # (prob, factor), see Note [Transient slowdowns]
     compute_s: float | None = None  # compute time C of one step (s) for injected delays; None: measure
     powersgd_warmup: int | None = None  # ddp+powersgd: all-reduce steps first; None: see powersgd_warmup
@@ -255,3 +267,10 @@ class BenchConfig(TrainConfig):
     def load_data(self) -> Digits:
         """The data set of ``model``, split with ``seed``."""
         return load_split(self.model, self.seed)
+
+    def build_model(self, data: Digits) -> nn.Module:
+        """The model of workload ``model``: the demo's MLP, or for ``seq`` the sorting transformer of
+        width ``hidden`` (``seqtask.make_seq_model``)."""
+        if self.model == "seq":
+            return make_seq_model(self.hidden, self.seed, data.x_train.shape[1])
+        return super().build_model(data)

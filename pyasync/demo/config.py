@@ -7,7 +7,9 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from pyasync.demo.data import Digits, budget_steps, load_digits_split
+from torch import nn
+
+from pyasync.demo.data import Digits, budget_steps, load_digits_split, make_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,12 @@ class TrainConfig:
     def load_data(self) -> Digits:
         """The data set this run trains on (the digits, split with ``seed``)."""
         return load_digits_split(self.seed)
+
+    def build_model(self, data: Digits) -> nn.Module:
+        """The replica every rank trains (the same on every rank) and the probe the curve is evaluated
+        with: the MLP of ``pyasync.demo.data.make_model`` with ``hidden`` and ``seed``, as wide as
+        ``data``'s features."""
+        return make_model(self.hidden, self.seed, data.x_train.shape[1])
 
     def budget(self, n_train: int) -> int:
         """Gradient steps of the whole cluster for a training set of ``n_train`` (Note [Work budget])."""

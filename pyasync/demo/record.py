@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pyasync.demo.config import TrainConfig
-from pyasync.demo.data import accuracy, flat_params, make_model
+from pyasync.demo.data import accuracy, flat_params
 from pyasync.demo.report import histogram_percentile
 from pyasync.demo.straggler import Injection
 from pyasync.demo.systems import PYASYNC_COUNTERS, Trainer, rank_counters
@@ -44,7 +44,7 @@ def gather_histogram(hist: Mapping[int, int]) -> dict[int, int]:
 
 
 def _curve(cfg: TrainConfig, run: RankRun, snapshots) -> list[dict[str, Any]]:
-    probe = make_model(cfg.hidden, cfg.seed, run.data.x_train.shape[1])
+    probe = cfg.build_model(run.data)
     curve = []
     for t, samples, flat in snapshots:
         nn.utils.vector_to_parameters(flat, probe.parameters())

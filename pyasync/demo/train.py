@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyasync.demo.config import TrainConfig
-from pyasync.demo.data import Digits, batches, flat_params, make_model, shard_indices, steps_per_epoch
+from pyasync.demo.data import Digits, batches, flat_params, shard_indices, steps_per_epoch
 from pyasync.demo.record import make_record
 from pyasync.demo.straggler import plan_straggler
 from pyasync.demo.systems import Trainer, build_trainer
@@ -107,7 +107,7 @@ def setup(cfg: TrainConfig, rank: int, data: Digits | None = None) -> RankRun:
         per_pass=per_pass,
         budget=cfg.budget(len(data.x_train)),
         my_steps=cfg.epochs * per_pass,
-        model=make_model(cfg.hidden, cfg.seed, data.x_train.shape[1]),
+        model=cfg.build_model(data),
     )
 
 
