@@ -4,7 +4,6 @@ an emulated link) whose JSON is checked field by field."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -14,20 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # before the imports; spawned workers inherit sys.path
+from _bench import load_e2e  # noqa: E402
 from harness import scenarios as S  # noqa: E402
 from harness import summary as E  # noqa: E402
 from harness import workload as W  # noqa: E402
 from harness.slowdowns import transient_slow  # noqa: E402
 
 from pyasync import demo as h  # noqa: E402
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 # ---------------------------------------------------------------------------------------------------
 # System names
@@ -127,7 +119,7 @@ def test_hetero_speeds(workers, speeds):
 def test_hetero_needs_two_workers_and_defaults_depend_on_the_device():
     with pytest.raises(ValueError, match="at least 2 workers"):
         S.hetero_speeds(1)
-    bench = _load_bench()
+    bench = load_e2e()
     plan = bench._plan(bench.build_parser().parse_args(["--out", "x"]), ["mlp"])
     assert [sc.name for _, sc in plan] == ["equal", "slow2x", "transient"]  # as before --device-ms
     plan = bench._plan(bench.build_parser().parse_args(["--out", "x", "--device-ms", "20"]), ["mlp"])
@@ -242,7 +234,7 @@ def test_parse_targets():
 
 
 def test_bench_rejects_bad_options(tmp_path):
-    bench = _load_bench()
+    bench = load_e2e()
     for argv, message in [
         (["--systems", "ddp+int8"], "not to ddp"),
         (["--models", "cnn"], "unknown model 'cnn'"),
@@ -279,7 +271,7 @@ REQUIRED = (
 
 @pytest.mark.multiproc
 def test_e2e_tiny_run(tmp_path):
-    bench = _load_bench()
+    bench = load_e2e()
     out = tmp_path / "out"
     workers = 2
     records = bench.main(
@@ -368,7 +360,7 @@ def test_e2e_emulated_device(tmp_path):
     # --device-ms D: every step sleeps D times its rank's factor (2x straggler: 2D; hetero: 1D and 2D
     # with 2 workers), a transient slow step 5D; C is neither calibrated nor used. ASP lets ranks take
     # different numbers of steps, so the sleep totals show the sleep is applied per step taken.
-    bench = _load_bench()
+    bench = load_e2e()
     workers, device_ms = 2, 2.0
     d = device_ms / 1e3
     records = bench.main(

@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # before the imports; spawned workers inherit sys.path
+from _bench import load_e2e  # noqa: E402
 from harness import peers as P  # noqa: E402
 from harness import workload as W  # noqa: E402
 
@@ -243,12 +244,6 @@ def test_peer_status_says_how_to_get_the_peers():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def _p2pd_pids() -> set[int]:
     out = set()
@@ -269,7 +264,7 @@ def test_peer_tiny_run(tmp_path, kind):
     why = P.peer_status(kind.split(":")[0])
     if why is not None:
         pytest.skip(f"needs the peers' venv (bash bench/peers/setup.sh): {why}")
-    bench = _load_bench()
+    bench = load_e2e()
     out = tmp_path / "out"
     args = ["--out", str(out), "--workers", "2", "--epochs", "4", "--batch-size", "32", "--systems", kind]
     args += ["--scenarios", "equal", "--models", "mlp", "--device-ms", "5", "--bandwidth", "4"]

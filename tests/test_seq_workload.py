@@ -4,7 +4,6 @@ it, and one tiny real run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,18 +14,12 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # before the imports; spawned workers inherit sys.path
+from _bench import load_e2e  # noqa: E402
 from harness import seqtask as Q  # noqa: E402
 from harness import summary as E  # noqa: E402
 from harness import workload as W  # noqa: E402
 
 from pyasync import demo as h  # noqa: E402
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_sort_split_is_fixed_sorted_and_seeded():
@@ -108,7 +101,7 @@ def test_bench_config_builds_each_workloads_model():
 
 @pytest.mark.multiproc
 def test_e2e_tiny_seq_run(tmp_path):
-    bench = _load_bench()
+    bench = load_e2e()
     out = tmp_path / "out"
     records = bench.main(
         [
@@ -137,7 +130,7 @@ def test_e2e_tiny_seq_run(tmp_path):
 
 
 def test_quick_plan_runs_seq_on_equal_workers_only():
-    bench = _load_bench()
+    bench = load_e2e()
     args = bench.build_parser().parse_args(["--out", "x", "--quick"])
     plan = [(m, sc.name) for m, sc in bench._plan(args, ["mlp", "wide", "seq"])]
     assert [sc for m, sc in plan if m == "seq"] == ["equal"]
