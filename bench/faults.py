@@ -22,7 +22,38 @@ them from competing for them). Measured, per run:
 * ``accuracy``: test accuracy of the final model (every survivor ends with the same replica), and the
   cost against the uninterrupted run of the same policy.
 
+``--systems`` takes pyasync policies and ``torchft`` (in the peers' venv, ``bash bench/peers/setup.sh``):
+
+    .venv-peers/bin/python bench/faults.py --systems asp,ssp:2,quorum:3,torchft --out ...
+
 Results (JSON) are rewritten after every run.
+
+Note [torchft under a kill]
+    torchft 0.2.0 runs the same model, data, shards, seed, SGD, device sleep and kill (same victim, at
+    the start of its step ``--kill-at``), DDP-style as its ``train_ddp.py``: every rank is a replica
+    group of one with a ``torchft.Manager`` on ``ProcessGroupGloo`` and a TCP store of its own; each step
+    ``torchft.Optimizer.zero_grad`` starts the quorum (asynchronously, torchft's default), the flattened
+    gradients go through ``Manager.allreduce`` (averaged over the participants) and
+    ``torchft.Optimizer.step`` steps SGD only when ``should_commit``. Each rank loops until it has
+    committed ``--steps`` steps (torchft's idiom: an uncommitted step is redone). The lighthouse
+    (``LighthouseServer``) runs in this bench's parent process, so it outlives the victim.
+    ``min_replicas`` (lighthouse) and ``min_replica_size`` (managers) are ``workers - 1``: the
+    survivors form a quorum without the dead replica. Timeouts for a fast local job: the manager's
+    heartbeat every 100 ms (its default), the lighthouse's ``quorum_tick_ms`` 100 (its default and its
+    examples'), ``join_timeout_ms`` 10000 (its examples'; it only matters when a live replica is late),
+    ``heartbeat_timeout_ms`` ``--torchft-heartbeat-timeout-ms`` (default 1000, ten missed heartbeats;
+    torchft's own default is 5000), the manager's, quorum and connect timeouts ``--timeout``. Every
+    manager heartbeats before any asks for the first quorum, so the first quorum has all of them.
+
+    A replica that dies between two steps is in no all-reduce: the survivors learn of it when the
+    lighthouse leaves it out, i.e. when its heartbeats have been missing for ``heartbeat_timeout_ms``
+    (until then it counts as healthy and the quorum waits for it to join). Measured, per survivor:
+    ``detection_s`` (kill to a failed all-reduce of the step in flight or, if earlier, the quorum
+    without the victim; ``detected_by`` says which), ``quorum_s`` (kill to ``wait_quorum`` returning the
+    quorum without the victim, its process group reconfigured; taken just before the all-reduce, so
+    it includes the step's forward and backward), ``recovery_s`` (kill to the first committed step in
+    that quorum), ``steps_not_committed``; samples/s count committed steps only. ``epoch_change_s``,
+    ``change_started_s`` and ``pushes_lost`` are pyasync's and are None for torchft.
 """
 
 from __future__ import annotations
@@ -96,16 +127,211 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
     dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------------------
+# torchft under the same kill (Note [torchft under a kill])
+# ---------------------------------------------------------------------------------------------------
+
+#: torchft's lighthouse and manager settings for this fast local job (Note [torchft under a kill]).
+TORCHFT_HEARTBEAT_INTERVAL_MS = 100  # the manager's default
+TORCHFT_QUORUM_TICK_MS = 100  # the lighthouse's default, and its examples'
+TORCHFT_JOIN_TIMEOUT_MS = 10_000  # its examples' (--join_timeout_ms 10000); unused when every replica joins
+
+
+def torchft_status() -> str | None:
+    """None when torchft imports here, else why not (one line)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    try:
+        import torchft  # noqa: F401
+    except ImportError as e:
+        return f"{type(e).__name__}: {e} (torchft runs in the peers' venv: bash bench/peers/setup.sh)"
+    except Exception as e:  # a broken install: say what broke
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> None:
+    """One replica group of one rank: a torchft Manager (gloo) against the lighthouse this bench hosts;
+    every step starts a quorum, all-reduces the flattened gradients and steps only when it commits."""
+    import torchft
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=cfg["timeout"])
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    data = load_digits_split(cfg["seed"])
+    idx = shard_indices(len(data.x_train), rank, world, cfg["seed"])
+    x, y = data.x_train[idx], data.y_train[idx]
+    model = make_model(cfg["hidden"], cfg["seed"])
+    params = list(model.parameters())
+    sgd = torch.optim.SGD(params, lr=cfg["lr"])
+    # The replica group's own store (a group of one rank: this process hosts it, and dies with it).
+    group_store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), sgd.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": sgd.state_dict()},
+        min_replica_size=cfg["torchft_min_replicas"],
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=group_store.port,
+        lighthouse_addr=cfg["lighthouse"],
+        replica_id=f"faults_rank{rank}",
+        hostname="127.0.0.1",
+        heartbeat_interval=datetime.timedelta(milliseconds=TORCHFT_HEARTBEAT_INTERVAL_MS),
+        init_sync=False,  # every replica starts from the same seeded model (torchft's advice)
+    )
+    opt = torchft.Optimizer(manager, sgd)
+    # Every manager heartbeats before any asks for a quorum: the first quorum has all of them.
+    store.add("torchft_up", 1)
+    while int(store.add("torchft_up", 0)) < world:
+        time.sleep(0.01)
+    draw = batches(x, y, max(1, len(x) // cfg["batch"]), cfg["batch"], cfg["seed"], rank)
+    ends, committed, sizes, quorum_at, failed_at = [], [], [], [], []
+    it = 0
+    # torchft's loop: until this replica has committed its steps (an uncommitted step is redone).
+    while manager.current_step() < cfg["steps"] and it < 3 * cfg["steps"]:
+        if kill and rank == cfg["victim"] and it == cfg["kill_at"]:
+            store.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        it += 1
+        time.sleep(cfg["device_ms"] / 1000.0)  # the emulated device
+        xb, yb = next(draw)
+        opt.zero_grad()  # starts the quorum (asynchronously, as torchft does by default)
+        F.cross_entropy(model(xb), yb).backward()
+        manager.wait_quorum()  # what allreduce does first; timed here
+        quorum_at.append(time.time())
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        work = manager.allreduce(flat)
+        work.wait()
+        if manager.errored() is not None:
+            failed_at.append(time.time())
+        else:
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+                off += p.numel()
+        size = manager.num_participants()
+        before = manager.current_step()
+        opt.step()  # steps SGD only when the manager commits
+        ends.append(time.time())
+        committed.append(manager.current_step() > before)
+        sizes.append(size)
+    out.put(
+        {
+            "rank": rank,
+            "ends": ends,
+            "committed": committed,
+            "sizes": sizes,
+            "quorum_at": quorum_at,
+            "failed_at": failed_at,
+            "iterations": it,
+            "committed_steps": int(manager.current_step()),
+            "accuracy": accuracy(model, data.x_test, data.y_test),
+            "params": torch.cat([p.detach().reshape(-1) for p in params]).tolist()[:64],
+            "killed_at": float(store.get("killed_at")) if kill else None,
+        }
+    )
+    manager.shutdown(wait=False)
+
+
+def summarize_torchft(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any]:
+    """torchft's record from its two runs, the figures named as pyasync's where they mean the same."""
+    batch = cfg["batch"]
+    world = cfg["workers"]
+    killed_at = killed[0]["killed_at"]
+
+    def after(r: dict, key: str) -> list[float]:
+        return [t for t in r[key] if t > killed_at]
+
+    # the quorum without the victim: the first quorum of fewer than world replicas after the kill
+    quorum = [
+        next((q for q, n in zip(r["quorum_at"], r["sizes"]) if q > killed_at and n < world), float("nan"))
+        for r in killed
+    ]
+    # detection: the survivor learns of the death, from a failed all-reduce of the step in flight or
+    # (the victim died between steps) from the lighthouse's quorum without it, whichever comes first
+    detected = [min(after(r, "failed_at") + [q]) for r, q in zip(killed, quorum)]
+    first_new = [
+        next(e for e, c, n in zip(r["ends"], r["committed"], r["sizes"]) if e > killed_at and c and n < world)
+        for r in killed
+    ]
+    recovered_at = max(first_new)
+
+    def rate(recs: list[dict], lo: float, hi: float) -> float:
+        steps = sum(1 for r in recs for e, c in zip(r["ends"], r["committed"]) if c and lo < e <= hi)
+        return steps * batch / (hi - lo) if hi > lo else float("nan")
+
+    start = min(r["ends"][0] for r in killed)
+    end = max(r["ends"][-1] for r in killed)
+    t0, t1 = min(r["ends"][0] for r in plain), max(r["ends"][-1] for r in plain)
+    acc = statistics.mean(r["accuracy"] for r in killed)
+    acc_plain = statistics.mean(r["accuracy"] for r in plain)
+    return {
+        "policy": "torchft",
+        "workers": world,
+        "victim": cfg["victim"],
+        "kill_at_step": cfg["kill_at"],
+        "device_ms": cfg["device_ms"],
+        "recovery_s": statistics.median(e - killed_at for e in first_new),
+        "recovery_s_max": recovered_at - killed_at,
+        "detection_s": statistics.median(d - killed_at for d in detected),
+        "change_started_s": None,
+        "quorum_s": statistics.median(q - killed_at for q in quorum),
+        "epoch_change_s": None,
+        "detected_by": sorted({"all-reduce" if after(r, "failed_at") else "quorum" for r in killed}),
+        "steps_not_committed": sum(1 for r in killed for e, c in zip(r["ends"], r["committed"]) if not c),
+        "pushes_lost": None,
+        "reinitialized": [],
+        "samples_per_s_before": rate(killed, start, killed_at),
+        "samples_per_s_after": rate(killed, recovered_at, end),
+        "samples_per_s_uninterrupted": rate(plain, t0, t1),
+        "accuracy": acc,
+        "accuracy_uninterrupted": acc_plain,
+        "accuracy_cost": acc_plain - acc,
+        "replicas_equal": all(r["params"] == killed[0]["params"] for r in killed),
+        "committed_steps": [r["committed_steps"] for r in killed],
+        "torchft": {
+            "min_replica_size": cfg["torchft_min_replicas"],
+            "lighthouse": "in the bench's parent process (outlives every rank)",
+            "heartbeat_interval_ms": TORCHFT_HEARTBEAT_INTERVAL_MS,
+            "heartbeat_timeout_ms": cfg["torchft_heartbeat_timeout_ms"],
+            "quorum_tick_ms": TORCHFT_QUORUM_TICK_MS,
+            "join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
+            "timeout_s": cfg["timeout"],
+            "process_group": "torchft.ProcessGroupGloo",
+            "quorum": "async (torchft's default)",
+        },
+    }
+
+
 def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
-    """Every surviving rank's record of one run (spawned processes; a store hosted here)."""
+    """Every surviving rank's record of one run (spawned processes; a store, and torchft's lighthouse,
+    hosted here)."""
     ctx = mp.get_context("spawn")
     world = cfg["workers"]
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=cfg["timeout"]), wait_for_workers=False
     )
+    lighthouse = None
+    target = _worker
+    if cfg["policy"] == "torchft":
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(
+            bind="[::]:0",
+            min_replicas=cfg["torchft_min_replicas"],
+            join_timeout_ms=TORCHFT_JOIN_TIMEOUT_MS,
+            quorum_tick_ms=TORCHFT_QUORUM_TICK_MS,
+            heartbeat_timeout_ms=cfg["torchft_heartbeat_timeout_ms"],
+        )
+        cfg = {**cfg, "lighthouse": lighthouse.address()}
+        target = _torchft_worker
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, store.port, cfg, kill, out), daemon=True)
+        ctx.Process(target=target, args=(r, world, store.port, cfg, kill, out), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -126,6 +352,8 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if lighthouse is not None:
+            lighthouse.shutdown()
     del store
     if len(recs) < want:
         raise RuntimeError(
@@ -176,7 +404,13 @@ def summarize(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON file for the records")
-    p.add_argument("--policies", default="asp,ssp:2,quorum:3", help="comma list (default asp,ssp:2,quorum:3)")
+    p.add_argument(
+        "--systems",
+        "--policies",
+        dest="systems",
+        default="asp,ssp:2,quorum:3",
+        help="comma list of pyasync policies and/or torchft (default asp,ssp:2,quorum:3)",
+    )
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--victim", type=int, default=2, help="the rank killed (default 2)")
     p.add_argument("--steps", type=int, default=300, help="steps per worker (default 300)")
@@ -188,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="the optimizer's timeout (s)")
     p.add_argument("--run-timeout", type=float, default=600.0, help="limit for one run (s)")
+    p.add_argument(
+        "--torchft-heartbeat-timeout-ms",
+        type=int,
+        default=1000,
+        help="torchft's lighthouse: a replica silent this long is left out of the next quorum "
+        "(default 1000: ten of the manager's 100 ms heartbeats; torchft's own default is 5000)",
+    )
     return p
 
 
@@ -201,7 +442,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if not 0 < kill_at < args.steps - 1:
         raise SystemExit(f"--kill-at must be in 1..{args.steps - 2}, got {kill_at}")
     records = []
-    for policy in [s.strip() for s in args.policies.split(",") if s.strip()]:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "torchft" in systems and (why := torchft_status()) is not None:
+        raise SystemExit(f"torchft: {why}")
+    for policy in systems:
         cfg = {
             "policy": policy,
             "workers": args.workers,
@@ -214,13 +458,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "lr": args.lr,
             "seed": args.seed,
             "timeout": args.timeout,
+            "torchft_min_replicas": args.workers - 1,
+            "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
         }
         plain = run_once(cfg, False, args.run_timeout)
         killed = run_once(cfg, True, args.run_timeout)
-        rec = summarize(cfg, plain, killed)
+        rec = (summarize_torchft if policy == "torchft" else summarize)(cfg, plain, killed)
         records.append(rec)
+        change = "" if rec["epoch_change_s"] is None else f" (epoch change {rec['epoch_change_s']:.2f} s)"
         print(
-            f"{policy:10s} recovery {rec['recovery_s']:.2f} s (epoch change {rec['epoch_change_s']:.2f} s), "
+            f"{policy:10s} detection {rec['detection_s']:.2f} s, recovery {rec['recovery_s']:.2f} s{change}, "
             f"samples/s {rec['samples_per_s_before']:.0f} before, {rec['samples_per_s_after']:.0f} after "
             f"({rec['samples_per_s_uninterrupted']:.0f} uninterrupted), accuracy {rec['accuracy']:.4f} "
             f"vs {rec['accuracy_uninterrupted']:.4f}"
