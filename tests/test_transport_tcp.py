@@ -171,7 +171,7 @@ def test_a_peer_stalled_mid_message_is_a_timeout_naming_it():
         a.sendall(tcp._LEN.pack(100) + b"x" * 10)  # announces 100 bytes, sends 10, then nothing
         tr = object.__new__(tcp.TcpTransport)  # the read path only needs these fields
         tr._closed, tr.timeout_s, tr._failed, tr._failure = False, 0.2, {}, threading.Event()
-        tr._gone, tr._sel = {"push": set()}, {}
+        tr._gone, tr._sel, tr._heard = {"push": set()}, {}, {}
         with pytest.raises(TimeoutError, match="rank 3 stopped in the middle of a message"):
             tr._read_one(b, 3, "push", torch.zeros(128, dtype=torch.uint8))
     finally:
