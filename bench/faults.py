@@ -75,6 +75,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
+
+from harness.peers import peer_status, torchft_manager
 
 import pyasync
 from pyasync.demo.data import accuracy, batches, load_digits_split, make_model, shard_indices
@@ -140,13 +143,7 @@ TORCHFT_JOIN_TIMEOUT_MS = 10_000  # its examples' (--join_timeout_ms 10000); unu
 def torchft_status() -> str | None:
     """None when torchft imports here, else why not (one line)."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
-    try:
-        import torchft  # noqa: F401
-    except ImportError as e:
-        return f"{type(e).__name__}: {e} (torchft runs in the peers' venv: bash bench/peers/setup.sh)"
-    except Exception as e:  # a broken install: say what broke
-        return f"{type(e).__name__}: {e}"
-    return None
+    return peer_status("torchft")
 
 
 def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> None:
@@ -165,23 +162,15 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
     sgd = torch.optim.SGD(params, lr=cfg["lr"])
     # The replica group's own store (a group of one rank: this process hosts it, and dies with it).
     group_store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), sgd.load_state_dict(sd["optim"])),
-        state_dict=lambda: {"model": model.state_dict(), "optim": sgd.state_dict()},
-        min_replica_size=cfg["torchft_min_replicas"],
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=group_store.port,
-        lighthouse_addr=cfg["lighthouse"],
-        replica_id=f"faults_rank{rank}",
-        hostname="127.0.0.1",
+    manager = torchft_manager(
+        model,
+        sgd,
+        timeout,
+        cfg["torchft_min_replicas"],
+        group_store.port,
+        cfg["lighthouse"],
+        f"faults_rank{rank}",
         heartbeat_interval=datetime.timedelta(milliseconds=TORCHFT_HEARTBEAT_INTERVAL_MS),
-        init_sync=False,  # every replica starts from the same seeded model (torchft's advice)
     )
     opt = torchft.Optimizer(manager, sgd)
     # Every manager heartbeats before any asks for a quorum: the first quorum has all of them.

@@ -80,6 +80,41 @@ def peer_status(kind: str) -> str | None:
     return None
 
 
+def torchft_manager(
+    model: nn.Module,
+    sgd: torch.optim.Optimizer,
+    timeout: datetime.timedelta,
+    min_replicas: int,
+    store_port: int,
+    lighthouse_addr: str,
+    replica_id: str,
+    heartbeat_interval: datetime.timedelta | None = None,
+):
+    """A torchft Manager for a replica group of one rank (gloo, every wait bounded by ``timeout``) whose
+    state is ``model`` and ``sgd``; the group's store serves on ``store_port`` of this host."""
+    import torchft
+
+    kw = {} if heartbeat_interval is None else {"heartbeat_interval": heartbeat_interval}
+    return torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), sgd.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": sgd.state_dict()},
+        min_replica_size=min_replicas,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        lighthouse_addr=lighthouse_addr,
+        replica_id=replica_id,
+        hostname="127.0.0.1",
+        init_sync=False,  # every replica starts from the same seeded model (torchft's advice)
+        **kw,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------
 # Socket bytes of a process's TCP connections (hivemind's p2pd)
 # ---------------------------------------------------------------------------------------------------
@@ -338,29 +373,8 @@ def torchft_trainer(
     group_store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
 
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": sgd.state_dict()}
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        sgd.load_state_dict(sd["optim"])
-
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=cfg.workers,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=group_store.port,
-        lighthouse_addr=lighthouse_addr,
-        replica_id=f"pyasync_rank{rank}",
-        hostname="127.0.0.1",
-        init_sync=False,  # every replica starts from the same seeded model (torchft's advice)
+    manager = torchft_manager(
+        model, sgd, timeout, cfg.workers, group_store.port, lighthouse_addr, f"pyasync_rank{rank}"
     )
     # Warm-up: the first quorum configures the process group (a gloo rendezvous of all replicas).
     manager.start_quorum()
