@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from pyasync.engine import meet
+from pyasync.engine.access import bucket_values
 from pyasync.errors import PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Quorum
@@ -131,12 +132,6 @@ def _saved_state(opt: DistributedOptimizer, ranks: list[int]) -> dict | None:
         _log.warning("pyasync: the last checkpoint (%s) could not be read for the lost shards: %s", d, e)
         return None
     return out
-
-
-def _flat(params: list[torch.Tensor], lay) -> torch.Tensor:
-    flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
-    ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
-    return flat
 
 
 def _unflat(params: list[torch.Tensor], lay, flat: torch.Tensor) -> None:
@@ -239,7 +234,7 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
     else:
         table = [mine]
     lost_pushes = 0
-    flats = [_flat(opt._params, lay) for lay in opt._layouts]
+    flats = [bucket_values(opt._params, lay) for lay in opt._layouts]
     for i, (b, r) in enumerate(keys):
         col = [int(t[i]) for t in table]
         src = col.index(max(col))

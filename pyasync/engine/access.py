@@ -15,7 +15,14 @@ from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.ops import bucketing as ops_bucketing
 
-__all__ = ["ShardAccess", "initial_masters"]
+__all__ = ["ShardAccess", "bucket_values", "initial_masters"]
+
+
+def bucket_values(params: list[torch.Tensor], lay: BucketLayout) -> torch.Tensor:
+    """The current values of bucket ``lay``'s parameters, as one flat fp32 tensor."""
+    flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
+    ops_bucketing.flatten([params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels)
+    return flat
 
 
 def initial_masters(
@@ -26,11 +33,7 @@ def initial_masters(
     for b, lay in enumerate(layouts):
         sh = lay.shards[rank]
         if sh.numel > 0:
-            flat = torch.empty(lay.numel, dtype=torch.float32, device=params[0].device)
-            ops_bucketing.flatten(
-                [params[p].detach() for p in lay.params], flat, lay.offsets, numels=lay.numels
-            )
-            out[b] = flat[sh.begin : sh.end].clone()
+            out[b] = bucket_values(params, lay)[sh.begin : sh.end].clone()
     return out
 
 
