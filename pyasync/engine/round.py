@@ -32,6 +32,15 @@ Note [Rank-order sum]
     the wait for the last push. Under Quorum the round's pushers are not known in advance: what is
     still held when the update fires is summed then, again in ascending rank order, so the sum's
     order depends only on who pushed. Late pushes folded under Quorum(late="fold") go in on arrival.
+
+Note [Reflected clocks]
+    An answer carries, per worker, the highest clock c such that every push of that worker up to c is
+    *in the values it sends* (applied, or never to be applied: dropped, not finite). Under SSP and ASP
+    that is every push processed (``included``). An aggregate round holds pushes it has processed but
+    not yet applied (fresh pushes waiting for the round to complete, late ones folded into the next
+    update), so its answers carry less than ``included`` for their senders until the update. A
+    worker keeps every push an answer it installed does not reflect yet (elastic membership): when
+    the owner dies, exactly those are replayed on the freshest replica (pyasync/membership.py).
 """
 
 from __future__ import annotations
@@ -124,6 +133,12 @@ class Round:
     def included(self) -> list[int]:
         """Per worker: the highest clock whose pushes (and all before) this shard has processed."""
         return [p - 1 for p in self.processed]
+
+    @property
+    def reflected(self) -> list[int]:
+        """Per worker: the highest clock whose pushes (and all before) the shard's values reflect: what
+        an answer carries (Note [Reflected clocks])."""
+        return self.included
 
     def missing(self, clock: int) -> list[int]:
         """Workers whose pushes an answer to a push of ``clock`` still waits for (for error messages)."""
@@ -237,6 +252,8 @@ class AggregateRound(Round):
         self.mask = [False] * n_segments  # union of the summed pushes' masks
         self.next = 0  # next worker rank to sum; every lower rank is summed, closed or paused
         self.held: dict[int, Any] = {}  # fresh pushes waiting for their turn (None: non-finite)
+        self.members: list[tuple[int, int]] = []  # (worker, clock) of the pushes in the aggregate
+        self.unreflected: dict[int, set[int]] = {}  # worker -> clocks processed, not yet in the values
 
     def _on_push(self, w: int, clock: int, version: int, finite: bool, mask: tuple, item: Any) -> list:
         if self.policy.is_late(version, self.version):
@@ -246,11 +263,13 @@ class AggregateRound(Round):
             elif self.policy.folds_late:
                 self._union(mask)
                 self.fold_stale.append(self.version - version)
+                self._pending_values(w, clock)
                 out = [Sum(item)]
             else:
                 self.c.dropped += 1
                 out = [Release(item)]
             return [*out, Answer(((w, clock),))]  # superseded: catch up at once
+        self._pending_values(w, clock)
         if not finite:
             self.c.nonfinite += 1  # counts as zeros in the mean
             self.held[w] = None
@@ -267,6 +286,18 @@ class AggregateRound(Round):
 
     def _on_absent(self, w: int) -> list:
         return self._sum_in_order() + self._maybe_update()
+
+    def _pending_values(self, w: int, clock: int) -> None:
+        self.members.append((w, clock))
+        self.unreflected.setdefault(w, set()).add(clock)
+
+    @property
+    def reflected(self) -> list[int]:
+        out = self.included
+        for w, clocks in self.unreflected.items():
+            if clocks:
+                out[w] = min(clocks) - 1
+        return out
 
     def _flush(self) -> list:
         if self.fresh or self.fold_stale or self.pending:
@@ -314,9 +345,10 @@ class AggregateRound(Round):
             tuple(sorted(self.pending.items())),
             self.fresh,
             self.fold_stale,
+            self.members,
         )
         self.mask = [False] * self.n_segments
-        self.pushers, self.fresh, self.fold_stale = set(), 0, []
+        self.pushers, self.fresh, self.fold_stale, self.members = set(), 0, [], []
         self.pending.clear()
         if self.gated:
             self.parked = done
@@ -331,7 +363,9 @@ class AggregateRound(Round):
         return self._finish_update(done, scale) + self._maybe_finish()
 
     def _finish_update(self, done: tuple, scale: float) -> list:
-        mask, waiters, fresh, fold_stale = done
+        mask, waiters, fresh, fold_stale, members = done
+        for w, c in members:  # applied below (or nothing to apply): the values reflect them
+            self.unreflected[w].discard(c)
         out: list = []
         if mask is not None:
             out.append(Update(mask, scale))
