@@ -53,7 +53,9 @@ Note [torchft under a kill]
     quorum without the victim, its process group reconfigured; taken just before the all-reduce, so
     it includes the step's forward and backward), ``recovery_s`` (kill to the first committed step in
     that quorum), ``steps_not_committed``; samples/s count committed steps only. ``epoch_change_s``,
-    ``change_started_s`` and ``pushes_lost`` are pyasync's and are None for torchft.
+    ``change_started_s``, ``pushes_resent`` (the survivors' pushes to the dead owner replayed on the
+    freshest replica) and ``pushes_lost`` (those that could not be) are pyasync's and are None for
+    torchft.
 """
 
 from __future__ import annotations
@@ -273,6 +275,7 @@ def summarize_torchft(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[
         "detected_by": sorted({"all-reduce" if after(r, "failed_at") else "quorum" for r in killed}),
         "steps_not_committed": sum(1 for r in killed for e, c in zip(r["ends"], r["committed"]) if not c),
         "pushes_lost": None,
+        "pushes_resent": None,
         "reinitialized": [],
         "samples_per_s_before": rate(killed, start, killed_at),
         "samples_per_s_after": rate(killed, recovered_at, end),
@@ -378,6 +381,7 @@ def summarize(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any
         "change_started_s": statistics.median(r["changes"][0]["started_at"] - killed_at for r in killed),
         "epoch_change_s": statistics.median(r["changes"][0]["seconds"] for r in killed),
         "pushes_lost": sum(r["changes"][0]["pushes_lost"] for r in killed),
+        "pushes_resent": sum(r["changes"][0]["pushes_resent"] for r in killed),
         "reinitialized": killed[0]["changes"][0]["reinitialized"],
         "samples_per_s_before": rate(killed + [], start, killed_at),
         "samples_per_s_after": rate(killed, recovered_at, end),

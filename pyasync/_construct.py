@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from pyasync._validate import check_int, check_real
 
-__all__ = ["check_elastic", "check_options", "describe_group", "trainable_params"]
+__all__ = ["check_elastic", "check_elastic_transport", "check_options", "describe_group", "trainable_params"]
 
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,7 +43,7 @@ def check_options(
         )
 
 
-def check_elastic(elastic, policy, max_grad_norm, optimizer) -> bool:
+def check_elastic(elastic, policy, max_grad_norm, optimizer, transport=None) -> bool:
     """``elastic`` as a bool, or a clear error where a membership change cannot be survived."""
     if not isinstance(elastic, bool):
         raise TypeError(f"elastic must be True or False, got {elastic!r}")
@@ -67,7 +67,20 @@ def check_elastic(elastic, policy, max_grad_norm, optimizer) -> bool:
             f"elastic=True re-shards the optimizer state, which needs SGD, Adam or AdamW (fused rules), "
             f"got {type(optimizer).__name__}"
         )
+    if isinstance(transport, type):
+        check_elastic_transport(transport)
     return True
+
+
+def check_elastic_transport(tp) -> None:
+    """A transport (or its class) that can serve elastic membership: it reports departed peers and
+    sends heartbeats (Note [Heartbeats] in pyasync/transport/tcp.py), or a clear error."""
+    if not callable(getattr(tp, "start_heartbeats", None)):
+        name = tp.__name__ if isinstance(tp, type) else type(tp).__name__
+        raise ValueError(
+            f"elastic=True needs a transport that notices a stalled peer (heartbeats); {name} has none. "
+            "Use the default TCP transport (transport=None)"
+        )
 
 
 def trainable_params(param_groups, named_parameters) -> tuple[list[torch.Tensor], list[int], list[str]]:

@@ -25,9 +25,12 @@ Note [Membership epochs]
        store must outlive every worker: under torchrun the agent hosts it; a store hosted by rank 0's
        process dies with rank 0.
     4. **The lost shards' values** come from the freshest replica among the survivors: the one that
-       installed the newest version of that shard (ties: the lowest rank) broadcasts it.
-       Pushes of a survivor that the dead owner had not yet answered to anybody are lost with it; each
-       survivor counts its own (``stats().pushes_lost``), from the clocks the freshest reply carries.
+       installed the newest version of that shard (among equal versions, the one reflecting the most
+       pushes; then the lowest rank) broadcasts it, with the clocks it reflects. Every survivor kept
+       its pushes to the dead owner that no answer it installed reflects; those the freshest replica
+       does not reflect go to the first member, which replays them on it as the dead owner would have
+       (Note [Replaying a dead owner's pushes] in engine/replay.py): no survivor's push is lost
+       (``stats().pushes_resent``; ``pushes_lost`` counts any that could not be replayed: none).
     5. **Re-shard.** The buckets are cut into m shards for the m members (the checkpoints' re-sharding,
        Note [Re-sharding]); master values and optimizer state of the live owners move to their new
        owners exactly (an all-reduce of disjoint parts). The lost shards' optimizer state (momentum,
@@ -58,6 +61,7 @@ import torch.distributed as dist
 
 from pyasync.engine import meet
 from pyasync.engine.access import bucket_values
+from pyasync.engine.replay import gather_frames, replay
 from pyasync.errors import PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Quorum
@@ -80,7 +84,9 @@ class EpochChange:
     seconds: float  # from the start of the change on this rank to the new engine running
     seen_at: float  # wall time (time.time()) this rank first saw a rank leave
     started_at: float  # wall time the change started on this rank (at the end of the step in flight)
-    pushes_lost: int  # this worker's pushes to a lost owner that no surviving replica holds
+    pushes_lost: int  # this worker's pushes to a lost owner that could not be replayed (none kept)
+    pushes_resent: int = 0  # this worker's pushes to a lost owner replayed on the freshest replica
+    pushes_replayed: int = 0  # pushes this rank replayed (the first member; every survivor's)
     reinitialized: list[str] = field(default_factory=list)  # what was not recovered
 
     def as_dict(self) -> dict[str, Any]:
@@ -225,33 +231,82 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
     m = len(members)
     new_rank = members.index(me)
 
-    # 4. The lost shards' values: the freshest replica among the survivors.
+    # 4. The lost shards' values: the freshest replica among the survivors (the newest version; among
+    #    equal versions, the one reflecting the most pushes), and the clocks it reflects.
+    n_old = len(old_globals)
     keys = [(b, r) for b, lay in enumerate(opt._layouts) for r in lost_old if lay.shards[r].numel > 0]
-    mine = torch.tensor([versions.get(k, -1) for k in keys] or [0], dtype=torch.int64)
+    mine = torch.tensor(
+        [x for k in keys for x in (versions.get(k, -1), sum(clocks.get(k, [-1] * n_old)))] or [0],
+        dtype=torch.int64,
+    )
     table = [torch.zeros_like(mine) for _ in range(m)]
     if m > 1:
         dist.all_gather(table, mine, group=group)
     else:
         table = [mine]
-    lost_pushes = 0
     flats = [bucket_values(opt._params, lay) for lay in opt._layouts]
+    fresh: list[tuple[int, list[int]]] = []  # per key: (version, reflected clocks) of the freshest replica
     for i, (b, r) in enumerate(keys):
-        col = [int(t[i]) for t in table]
+        col = [(int(t[2 * i]), int(t[2 * i + 1])) for t in table]
         src = col.index(max(col))
         sh = opt._layouts[b].shards[r]
         part = flats[b][sh.begin : sh.end].clone()
-        inc = torch.tensor(clocks.get((b, r), [-1] * len(old_globals)), dtype=torch.int64)
+        inc = torch.tensor(clocks.get((b, r), [-1] * n_old), dtype=torch.int64)
         if m > 1:
             dist.broadcast(part, src=members[src], group=group)
             dist.broadcast(inc, src=members[src], group=group)
         flats[b][sh.begin : sh.end] = part
-        lost_pushes += max(0, pushed - 1 - int(inc[opt._rank]))
+        fresh.append((col[src][0], inc.tolist()))
     for lay, flat in zip(opt._layouts, flats):
         _unflat(opt._params, lay, flat)
 
+    # 4b. The pushes those replicas do not reflect: every survivor kept them (Note [Replaying a dead
+    #     owner's pushes]); the first member replays them on the lost shards, from their saved state.
+    frames, lost_pushes = [], 0
+    for i, (b, r) in enumerate(keys):
+        ref = fresh[i][1][opt._rank]
+        kept = old.pusher.retain.after((b, r), ref) if old.pusher.retain is not None else []
+        want = ref + 1
+        for c, f in kept:
+            if c != want:
+                break
+            frames.append((i, c, f))
+            want += 1
+        lost_pushes += max(0, pushed - want)  # none: every push is kept until reflected
+    resent = len(frames)
+    everyone = (
+        gather_frames(frames, group=group, members=members, senders=[old_globals.index(g) for g in members])
+        if m > 1
+        else [(i, opt._rank, f) for i, _, f in frames]
+    )
+    ckpt = _saved_state(opt, lost_old) if new_rank == 0 and keys else None
+    rebuilt: dict[tuple[int, int], Any] = {}
+    replayed = 0
+    if new_rank == 0:
+        for i, (b, r) in enumerate(keys):
+            sh = opt._layouts[b].shards[r]
+            state = opt._rule.new_state(sh, flats[b][sh.begin : sh.end].clone())
+            saved = (ckpt or {}).get(r, {}).get(str(b))
+            if saved is not None:
+                opt._rule.load_state_tensors(state, saved["optim"], f"checkpoint shard {r} bucket {b}")
+            mine_i = [(s_, f) for k, s_, f in everyone if k == i]
+            replayed += replay(
+                rule=opt._rule,
+                policy=old.policy,
+                world_size=n_old,
+                state=state,
+                version=fresh[i][0],
+                reflected=fresh[i][1],
+                departed=lost_old,
+                frames=mine_i,
+                spec=old.spec,
+            )
+            rebuilt[(b, r)] = state
+        if any(not 0 <= k < len(keys) for k, _, _ in everyone):
+            raise ValueError("pyasync: a member sent pushes to replay for a shard that was not lost")
+
     # 5. Re-shard masters and optimizer state onto the members (disjoint parts, summed).
     new_layouts = opt._build_layouts(m)
-    ckpt = _saved_state(opt, lost_old) if new_rank == 0 and keys else None
     flag = torch.tensor([1 if ckpt else 0], dtype=torch.int64)
     if m > 1:
         dist.broadcast(flag, src=members[0], group=group)
@@ -271,16 +326,16 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
                 if n in d["optim"]:
                     full[n][own.begin : own.end] = d["optim"][n].reshape(-1).cpu()
             steps[offs[opt._rank] : offs[opt._rank + 1]] = d["optim"]["steps"].reshape(-1)
-        if new_rank == 0:  # the lost ranges: the (now agreed) freshest values; state from the checkpoint
-            for r in lost_old:
-                sh = lay.shards[r]
-                full["master"][sh.begin : sh.end] = flats[b][sh.begin : sh.end].cpu()
-                saved = (ckpt or {}).get(r, {}).get(str(b))
-                if saved is not None and sh.numel > 0:
-                    for n in names:
-                        if n in saved["optim"]:
-                            full[n][sh.begin : sh.end] = saved["optim"][n].reshape(-1).cpu()
-                    steps[offs[r] : offs[r + 1]] = saved["optim"]["steps"].reshape(-1)
+        for r in lost_old:  # the lost ranges, rebuilt on the first member (4b)
+            st = rebuilt.get((b, r))
+            if st is None:
+                continue
+            sh = lay.shards[r]
+            full["master"][sh.begin : sh.end] = st.master.cpu()
+            for n in names:
+                if getattr(st, n) is not None:
+                    full[n][sh.begin : sh.end] = getattr(st, n).cpu()
+            steps[offs[r] : offs[r + 1]] = torch.tensor(st.steps, dtype=torch.int64)
         if m > 1:
             for n in ["master", *names]:
                 dist.all_reduce(full[n], group=group)
@@ -325,11 +380,14 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
         seen_at=seen,
         started_at=started,
         pushes_lost=lost_pushes,
+        pushes_resent=resent,
+        pushes_replayed=replayed,
         reinitialized=reinit,
     )
     _log.warning(
         "pyasync: membership epoch %d: ranks %s left; %d ranks %s go on (rank %d is now %d of %d); "
-        "recovered in %.3f s; %d of this worker's pushes to the lost owners were lost; re-initialized: %s",
+        "recovered in %.3f s; %d of this worker's pushes to the lost owners re-sent (%d replayed here), "
+        "%d lost; re-initialized: %s",
         epoch,
         lost,
         m,
@@ -338,6 +396,8 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
         new_rank,
         m,
         change.seconds,
+        resent,
+        replayed,
         lost_pushes,
         "; ".join(reinit) or "nothing",
     )

@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 
 from pyasync import compression as _compression
-from pyasync._construct import check_elastic, check_options, describe_group, trainable_params
+from pyasync._construct import (
+    check_elastic,
+    check_elastic_transport,
+    check_options,
+    describe_group,
+    trainable_params,
+)
 from pyasync.engine import wire
 from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
@@ -171,7 +177,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"max_grad_norm under {self._policy.spec()} clips each push before it is sent, which "
                     "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
                 )
-            self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer)
+            self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer, transport)
             self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (pyasync/membership.py)
             self._last_checkpoint: tuple[str, int] | None = None  # (directory, epoch) of the last save
             self._group = process_group
@@ -240,6 +246,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 tp = (transport or TcpTransport)(self._control, timeout)
                 if not isinstance(tp, Transport):
                     raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
+                if self._elastic:
+                    check_elastic_transport(tp)
                 try:
                     check_agreement(self._agreement_items(groups), self._control)
                     self._broadcast_initial()
@@ -465,6 +473,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         st.members = list(self._globals)
         st.epochs = [c.as_dict() for c in self._epochs]
         st.pushes_lost = sum(c.pushes_lost for c in self._epochs)
+        st.pushes_resent = sum(c.pushes_resent for c in self._epochs)
         return st
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from pyasync.ops import codecs as ops_codecs
 if TYPE_CHECKING:
     from pyasync.engine.owner import Owner
 
-__all__ = ["Applier", "OwnedShard"]
+__all__ = ["Applier", "OwnedShard", "add_to_aggregate", "apply_aggregate", "apply_push"]
 
 
 @dataclass
@@ -38,6 +38,29 @@ class OwnedShard:
     @property
     def bucket(self) -> int:
         return self.state.bucket
+
+
+def apply_push(rule: UpdateRule, sh: OwnedShard, push: Push, n: int, lr_factor: float) -> None:
+    """Apply one push as an update of its own (Apply): its gradient x 1/n, the learning rate x
+    ``lr_factor``."""
+    rule.apply(
+        sh.state, payload=push.payload, grad_scale=1.0 / n, seg_mask=list(push.mask), lr_factor=lr_factor
+    )
+
+
+def add_to_aggregate(sh: OwnedShard, push: Push, divisor: int) -> None:
+    """Add one push x 1/divisor to the shard's aggregate (Sum)."""
+    if sh.agg is None:
+        sh.agg = torch.zeros_like(sh.state.master)
+    ops_codecs.decode(push.payload, out=sh.agg, alpha=1.0 / divisor, accumulate=True, validate=False)
+
+
+def apply_aggregate(rule: UpdateRule, sh: OwnedShard, mask, scale: float) -> None:
+    """Apply the aggregate x ``scale`` as one update on the masked-in segments, then clear it (Update)."""
+    if scale != 1.0:
+        sh.agg.mul_(scale)
+    rule.apply(sh.state, dense=sh.agg, seg_mask=list(mask))
+    sh.agg.zero_()
 
 
 class Applier(threading.Thread):
@@ -107,10 +130,7 @@ class Applier(threading.Thread):
             elif isinstance(a, rnd.Sum):
                 self._sum(sh, a.item)
             elif isinstance(a, rnd.Update):
-                if a.scale != 1.0:
-                    sh.agg.mul_(a.scale)
-                self.rule.apply(sh.state, dense=sh.agg, seg_mask=list(a.mask))
-                sh.agg.zero_()
+                apply_aggregate(self.rule, sh, a.mask, a.scale)
             elif isinstance(a, rnd.Gate):
                 sq = float(torch.dot(sh.agg, sh.agg)) if sh.agg is not None else 0.0
                 self.owner.gate.report(a.version, sh.bucket, sq)
@@ -129,20 +149,12 @@ class Applier(threading.Thread):
 
     def _apply(self, sh: OwnedShard, push: Push, lr_factor: float) -> None:
         self._ready(sh, push)
-        self.rule.apply(
-            sh.state,
-            payload=push.payload,
-            grad_scale=1.0 / self.n,
-            seg_mask=list(push.mask),
-            lr_factor=lr_factor,
-        )
+        apply_push(self.rule, sh, push, self.n, lr_factor)
         self.owner.release(push)
 
     def _sum(self, sh: OwnedShard, push: Push) -> None:
-        if sh.agg is None:
-            sh.agg = torch.zeros_like(sh.state.master)
         self._ready(sh, push)
-        ops_codecs.decode(push.payload, out=sh.agg, alpha=1.0 / self.divisor, accumulate=True, validate=False)
+        add_to_aggregate(sh, push, self.divisor)
         self.owner.release(push)
 
     # -- calls from other threads (run in this thread through Call) ---------------------------------

@@ -36,6 +36,7 @@ from pyasync.engine.mailbox import Mailbox
 from pyasync.engine.messages import BucketReady, Commit, Control, Stop
 from pyasync.engine.owner import Owner
 from pyasync.engine.pusher import Pusher
+from pyasync.engine.replay import Retention
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats, collect_stats
@@ -74,6 +75,7 @@ class Engine(EngineBase):
         elastic: bool = False,
     ) -> None:
         self.params, self.layouts, self.policy, self.rule = params, layouts, policy, rule
+        self.spec = spec
         self.elastic = elastic
         self.lost: set[int] = set()  # ranks that left the membership (elastic: pyasync/membership.py)
         self.drained = False  # elastic: CLOSE sent and the live owners' finals installed (epoch change)
@@ -140,6 +142,7 @@ class Engine(EngineBase):
             fail=self.fail,
             clip_each_push=max_grad_norm is not None and not self.gated,
             send_early=grad_edits == "forbid",
+            retain=Retention(lambda key: self.mailbox.installed_clocks[key][rank]) if elastic else None,
         )
         self.capture = Capture(params, layouts, self.cond, self._hand_over)
         self.clip = (

@@ -25,6 +25,7 @@ import torch
 from pyasync.engine import wire
 from pyasync.engine.messages import BucketReady, Commit, Control, Stop
 from pyasync.engine.owner import Owner
+from pyasync.engine.replay import Retention
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.streams import on_stream, record_event, side_stream, wait_event
 from pyasync.ops import bucketing as ops_bucketing
@@ -68,6 +69,7 @@ class Pusher(threading.Thread):
         fail: Callable[[str, BaseException], None],
         clip_each_push: bool = False,
         send_early: bool = False,
+        retain: Retention | None = None,
     ) -> None:
         super().__init__(name="pyasync-push", daemon=True)
         self.rank, self.n = rank, world_size
@@ -80,6 +82,7 @@ class Pusher(threading.Thread):
         self._committed, self._nonfinite, self._fail = committed, nonfinite, fail
         self.clip_each_push = clip_each_push
         self.send_early = send_early  # grad_edits="forbid": send as soon as encoded (overlapping backward)
+        self.retain = retain  # elastic: a copy of each push until an answer reflects it (engine/replay.py)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.flat = [torch.empty(lay.numel, dtype=torch.float32, device=device) for lay in layouts]
         self.stream = side_stream(device)
@@ -246,6 +249,8 @@ class Pusher(threading.Thread):
                 count=mask_len,
             )
             wire.seal(fr.buf, h, body)
+            if self.retain is not None:
+                self.retain.keep((b, r), e.clock, fr.buf[: wire.HEADER_BYTES + body])
             self.transport.send_frame(fr, r, "push")
             self.bytes_sent += wire.HEADER_BYTES + body
 

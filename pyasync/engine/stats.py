@@ -29,8 +29,9 @@ class Stats:
     intake_peak: most received pushes this rank's owner held at once (bounded, Note [Bounded intake]).
     epoch / members: the membership epoch and its ranks (global ranks; elastic=True, see
         pyasync/membership.py); epochs: every membership change this rank went through (lost ranks,
-        members, seconds, pushes_lost, what was re-initialized); pushes_lost: this worker's pushes to
-        owners that died before any survivor held them. The other counters are the current epoch's.
+        members, seconds, pushes re-sent, what was re-initialized); pushes_resent: this worker's pushes
+        to owners that died, replayed on the freshest replica (engine/replay.py); pushes_lost: those
+        that could not be (none is expected). The other counters are the current epoch's.
     """
 
     clock: int = 0
@@ -52,6 +53,7 @@ class Stats:
     members: list[int] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)
     pushes_lost: int = 0
+    pushes_resent: int = 0
 
 
 def collect_stats(clock: int, mailbox, owner, pusher, wait_seconds: float, grad_norm: float | None) -> Stats:
