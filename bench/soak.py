@@ -53,7 +53,7 @@ as a private instance per owned shard, pyasync/engine/rule.py), whose step() fir
 rank ``--slow-owner-rank`` (default 0) only: that rank's owner takes MS longer per update it applies,
 while its worker and every other rank run as before. Under ASP nobody waits for answers, so the other
 workers push faster than that owner applies; the owner's intake is bounded (Note [Bounded intake] in
-pyasync/engine/owner.py), so its receiver stops reading, the sockets fill and the senders wait. The
+pyasync/engine/intake.py), so its receiver stops reading, the sockets fill and the senders wait. The
 run adds one check, ``intake``: on every rank, the most received pushes its owner held at once
 (``stats().intake_peak``) is at most ``intake_limit(n, S)`` = 2 n S + 2 n (S: shards it owns), and
 the live buffers of its push receive pool stayed within that limit; RSS, the ledger, the counters and

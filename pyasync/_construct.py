@@ -74,7 +74,7 @@ def check_elastic(elastic, policy, max_grad_norm, optimizer, transport=None) -> 
 
 def check_elastic_transport(tp) -> None:
     """A transport (or its class) that can serve elastic membership: it reports departed peers and
-    sends heartbeats (Note [Heartbeats] in pyasync/transport/tcp.py), or a clear error."""
+    sends heartbeats (Note [Heartbeats] in pyasync/transport/heartbeats.py), or a clear error."""
     if not callable(getattr(tp, "start_heartbeats", None)):
         name = tp.__name__ if isinstance(tp, type) else type(tp).__name__
         raise ValueError(

@@ -47,9 +47,6 @@ Note [Membership epochs]
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
 import logging
 import os
 import time
@@ -61,6 +58,7 @@ import torch.distributed as dist
 
 from pyasync.engine import meet
 from pyasync.engine.access import bucket_values
+from pyasync.engine.meet import agree_members, meet_members
 from pyasync.engine.replay import gather_frames, replay
 from pyasync.errors import PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
@@ -69,7 +67,7 @@ from pyasync.policy import Quorum
 if TYPE_CHECKING:
     from pyasync.optimizer import DistributedOptimizer
 
-__all__ = ["EpochChange", "agree_members", "change_epoch", "may_propose"]
+__all__ = ["EpochChange", "change_epoch"]
 
 _log = logging.getLogger("pyasync")
 
@@ -91,34 +89,6 @@ class EpochChange:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def may_propose(proposal: list[int], old: list[int]) -> bool:
-    """Only a majority of the old members may decide the next epoch (half of them, when they include the
-    lowest old rank): a rank that was stopped and finds every peer gone when it runs again (they
-    dropped it) is a minority, and waits for the majority's decision instead of forming a job of one."""
-    return 2 * len(proposal) > len(old) or (2 * len(proposal) == len(old) and min(old) in proposal)
-
-
-def agree_members(store, key: str, proposal: list[int], old: list[int], timeout) -> list[int]:
-    """The members of the next epoch: the first proposal of a majority written at ``key`` wins
-    (``compare_set``); a minority waits (at most ``timeout``) for it."""
-    if may_propose(proposal, old):
-        got = store.compare_set(key, "", json.dumps(sorted(proposal)))
-    else:
-        try:
-            store.wait([key], timeout)
-        except Exception as e:
-            raise PeerFailure(
-                f"pyasync: this rank sees only {sorted(proposal)} of the ranks {old} still running, a "
-                f"minority, and no majority decided the next membership within {timeout}",
-                sorted(set(old) - set(proposal)),
-            ) from e
-        got = store.get(key)
-    members = json.loads(got.decode() if isinstance(got, bytes) else got)
-    if not isinstance(members, list) or not all(isinstance(r, int) for r in members):
-        raise ValueError(f"pyasync: the job's store holds a malformed membership at {key!r}: {got!r}")
-    return members
 
 
 def _saved_state(opt: DistributedOptimizer, ranks: list[int]) -> dict | None:
@@ -143,30 +113,6 @@ def _saved_state(opt: DistributedOptimizer, ranks: list[int]) -> dict | None:
 def _unflat(params: list[torch.Tensor], lay, flat: torch.Tensor) -> None:
     with torch.no_grad():
         ops_bucketing.unflatten(flat, [params[p].data for p in lay.params], lay.offsets, begin=0)
-
-
-def _meet(st, prefix: str, members: list[int], me: int, tp, old_globals: list[int], timeout) -> list[int]:
-    """Wait (at most ``timeout``) until every member has written its key under ``prefix``; the members
-    whose old connections ended meanwhile (they died during the epoch change), if any, instead."""
-    st.set(f"{prefix}/{me}", "ok")
-    keys = {g: f"{prefix}/{g}" for g in members}
-    end = time.monotonic() + timeout.total_seconds()
-    while True:
-        missing = [g for g in members if not st.check([keys[g]])]
-        if not missing:
-            return []
-        failed = tp.probe() if tp is not None else {}
-        died = [g for g in missing if old_globals.index(g) in failed]
-        if died:
-            return died
-        if time.monotonic() > end:
-            raise PeerFailure(
-                f"pyasync: ranks {missing} did not join membership epoch {prefix.rsplit('/', 2)[-2]} "
-                f"within {timeout.total_seconds():g} s",
-                missing,
-            )
-        with contextlib.suppress(Exception):  # a bounded wait for the keys, then look again
-            st.wait([keys[g] for g in missing], datetime.timedelta(seconds=0.1))
 
 
 @torch.no_grad()
@@ -214,7 +160,9 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
                     "checkpoint",
                     [me],
                 )
-            died = _meet(st, f"{opt._job}/epoch{epoch}/here", members, me, tp_old, old_globals, opt._timeout)
+            died = meet_members(
+                st, f"{opt._job}/epoch{epoch}/here", members, me, tp_old, old_globals, opt._timeout
+            )
             if not died:
                 break
             gone |= set(died)

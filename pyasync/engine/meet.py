@@ -15,12 +15,25 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import json
+import time
 
 import torch.distributed as dist
 
 from pyasync.errors import PeerFailure
 
-__all__ = ["collective_failure", "control_group", "gave_up", "global_ranks", "join", "roll_call", "store"]
+__all__ = [
+    "agree_members",
+    "collective_failure",
+    "control_group",
+    "gave_up",
+    "global_ranks",
+    "join",
+    "may_propose",
+    "meet_members",
+    "roll_call",
+    "store",
+]
 
 _generation = itertools.count()  # joins made by this process (the same sequence on every rank)
 
@@ -167,3 +180,58 @@ def collective_failure(e: BaseException, transport, what: str, wait: float = 5.0
         err.__cause__ = e
         return err
     return e
+
+
+# -- membership epochs (pyasync/membership.py) ------------------------------------------------------
+def may_propose(proposal: list[int], old: list[int]) -> bool:
+    """Only a majority of the old members may decide the next epoch (half of them, when they include the
+    lowest old rank): a rank that was stopped and finds every peer gone when it runs again (they
+    dropped it) is a minority, and waits for the majority's decision instead of forming a job of one."""
+    return 2 * len(proposal) > len(old) or (2 * len(proposal) == len(old) and min(old) in proposal)
+
+
+def agree_members(store, key: str, proposal: list[int], old: list[int], timeout) -> list[int]:
+    """The members of the next epoch: the first proposal of a majority written at ``key`` wins
+    (``compare_set``); a minority waits (at most ``timeout``) for it."""
+    if may_propose(proposal, old):
+        got = store.compare_set(key, "", json.dumps(sorted(proposal)))
+    else:
+        try:
+            store.wait([key], timeout)
+        except Exception as e:
+            raise PeerFailure(
+                f"pyasync: this rank sees only {sorted(proposal)} of the ranks {old} still running, a "
+                f"minority, and no majority decided the next membership within {timeout}",
+                sorted(set(old) - set(proposal)),
+            ) from e
+        got = store.get(key)
+    members = json.loads(got.decode() if isinstance(got, bytes) else got)
+    if not isinstance(members, list) or not all(isinstance(r, int) for r in members):
+        raise ValueError(f"pyasync: the job's store holds a malformed membership at {key!r}: {got!r}")
+    return members
+
+
+def meet_members(
+    st, prefix: str, members: list[int], me: int, tp, old_globals: list[int], timeout
+) -> list[int]:
+    """Wait (at most ``timeout``) until every member has written its key under ``prefix``; the members
+    whose old connections ended meanwhile (they died during the epoch change), if any, instead."""
+    st.set(f"{prefix}/{me}", "ok")
+    keys = {g: f"{prefix}/{g}" for g in members}
+    end = time.monotonic() + timeout.total_seconds()
+    while True:
+        missing = [g for g in members if not st.check([keys[g]])]
+        if not missing:
+            return []
+        failed = tp.probe() if tp is not None else {}
+        died = [g for g in missing if old_globals.index(g) in failed]
+        if died:
+            return died
+        if time.monotonic() > end:
+            raise PeerFailure(
+                f"pyasync: ranks {missing} did not join membership epoch {prefix.rsplit('/', 2)[-2]} "
+                f"within {timeout.total_seconds():g} s",
+                missing,
+            )
+        with contextlib.suppress(Exception):  # a bounded wait for the keys, then look again
+            st.wait([keys[g] for g in missing], datetime.timedelta(seconds=0.1))

@@ -44,15 +44,15 @@ import torch.distributed as dist
 from pyasync.errors import PeerFailure
 from pyasync.transport.base import FLOWS, Handle, Transport, TransportClosed
 from pyasync.transport.frames import FrameRing
+from pyasync.transport.heartbeats import _LEN, HEARTBEAT, Heartbeats
+from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into, send_all
 
 __all__ = ["TcpTransport", "TransportClosed"]
 
 _MAGIC = 0x5059415359544350  # "PYASYTCP"
 _HANDSHAKE = struct.Struct("<qqqq")  # magic, token, rank, flow
-_LEN = struct.Struct("<Q")
 BYE = (1 << 64) - 1
 GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
-HEARTBEAT = (1 << 64) - 3  # nothing follows: the sender is alive (elastic membership, Note [Heartbeats])
 _BUF_BYTES = 4 << 20  # socket send / receive buffer asked for
 
 
@@ -89,7 +89,7 @@ def _pack_addr(host: str, port: int, token: int) -> torch.Tensor:
     return torch.tensor([int.from_bytes(raw, "big"), port, token], dtype=torch.int64)
 
 
-class TcpTransport(Transport):
+class TcpTransport(Heartbeats, Transport):
     """Point-to-point messages among the ranks of ``process_group`` over TCP.
 
     ``process_group`` (a gloo group; None: the default group) is used once, to exchange addresses;
@@ -140,7 +140,7 @@ class TcpTransport(Transport):
             table = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(table, mine, group=group)
             token = int(table[0][2])  # rank 0's token names the job
-            deadline = _Deadline(self.timeout_s)
+            deadline = Deadline(self.timeout_s)
             for j in range(self.rank + 1, self.world_size):
                 host = socket.inet_ntoa(int(table[j][0]).to_bytes(4, "big"))
                 for fi, f in enumerate(FLOWS):
@@ -160,7 +160,7 @@ class TcpTransport(Transport):
                         missing,
                     ) from None
                 s.settimeout(deadline.left())
-                magic, tok, peer, fi = _HANDSHAKE.unpack(_recv_exact(s, _HANDSHAKE.size))
+                magic, tok, peer, fi = _HANDSHAKE.unpack(recv_exact(s, _HANDSHAKE.size))
                 if (
                     magic != _MAGIC
                     or tok != token
@@ -278,83 +278,13 @@ class TcpTransport(Transport):
             err.__cause__ = cause
         return err
 
-    # -- heartbeats (elastic membership) ----------------------------------------------------------------
-    def start_heartbeats(self, deadline, watched) -> None:
-        """Send heartbeats and drop the peers that stay silent.
-
-        Note [Heartbeats]
-            A stopped process (SIGSTOP) or a partitioned host closes no connection, so under elastic
-            membership every rank sends a HEARTBEAT (an 8-byte marker, no message) on its push flow
-            to every peer every ``deadline() / 5`` seconds, and reads count whatever comes from a peer
-            as a sign of life. A peer of ``watched()`` (the workers that may still push to this rank's
-            owner) from which nothing came for ``deadline()`` seconds, and that has nothing waiting
-            unread (a receiver that stopped reading, a bounded intake, is not a silent peer), is
-            dropped: its connections are shut down, which the receivers report as a departure (and
-            the dropped rank, if it ever runs again, sees its connections closed). ``deadline()``
-            comes from the engine: a multiple of the measured step time, at most the timeout."""
-        now = time.monotonic()
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._heard.setdefault(peer, now)
-        self._beats = threading.Thread(
-            target=self._beat, args=(deadline, watched), name="pyasync-heartbeat", daemon=True
-        )
-        self._beats.start()
-
-    def stop_heartbeats(self) -> None:
-        """Stop sending heartbeats and watching for silence (the engine stopped; bounded join)."""
-        self._beats_off.set()
-        if self._beats is not None:
-            self._beats.join(5.0)
-
-    def _beat(self, deadline, watched) -> None:
-        while not self._closed and not self._beats_off.is_set():
-            d = max(0.05, float(deadline()))
-            for peer, s in list(self._socks["push"].items()):
-                if peer in self._failed or peer in self.departed or peer in self._gone["push"]:
-                    continue
-                lock = self._locks[("push", peer)]
-                if not lock.acquire(blocking=False):
-                    continue  # a send is under way: that is a sign of life already
-                try:
-                    if select.select([], [s], [], 0)[1]:
-                        s.sendall(_LEN.pack(HEARTBEAT))
-                except OSError:
-                    pass
-                finally:
-                    lock.release()
-            now = time.monotonic()
-            for peer in sorted(set(watched()) - set(self.departed) - set(self._failed)):
-                if now - self._heard.get(peer, now) <= d or self._pending(peer):
-                    continue
-                self._failed.setdefault(peer, f"nothing came from it for {now - self._heard[peer]:.1f} s")
-                for f in FLOWS:
-                    sk = self._socks[f].get(peer)
-                    if sk is not None:
-                        with contextlib.suppress(OSError):
-                            sk.shutdown(socket.SHUT_RDWR)
-                self.lose([peer])
-            if self._beats_off.wait(d / 5):
-                return
-
-    def _pending(self, peer: int) -> bool:
-        """Bytes from ``peer`` wait unread on one of its connections (it is alive)."""
-        socks = [self._socks[f][peer] for f in FLOWS if peer in self._socks[f]]
-        try:
-            ready = select.select(socks, [], [], 0)[0]
-        except (OSError, ValueError):
-            return False
-        if ready:
-            self._heard[peer] = time.monotonic()
-        return bool(ready)
-
     # -- sending --------------------------------------------------------------------------------------
     def send(self, buf: torch.Tensor, dst: int, flow: str) -> Handle:
         s = self._sock(dst, flow)
-        view = _bytes(buf)
+        view = as_bytes(buf)
         with self._locks[(flow, dst)]:
             try:
-                _send_all(s, [_LEN.pack(len(view)), view])
+                send_all(s, [_LEN.pack(len(view)), view])
             except TimeoutError as e:
                 raise TimeoutError(
                     f"pyasync: rank {dst} did not take a {len(view)}-byte message on flow {flow} for "
@@ -438,7 +368,7 @@ class TcpTransport(Transport):
         """Read one message from ``peer`` into ``buf``; False when it was a goodbye, None for a
         heartbeat (nothing to deliver)."""
         try:
-            head = _recv_exact(s, _LEN.size)
+            head = recv_exact(s, _LEN.size)
             (n,) = _LEN.unpack(head)
             self._heard[peer] = time.monotonic()
             if n == HEARTBEAT:
@@ -448,16 +378,16 @@ class TcpTransport(Transport):
                 self._sel[flow].unregister(s)
                 return False
             if n == GAVE_UP:
-                (m,) = _LEN.unpack(_recv_exact(s, _LEN.size))
-                raise self._gave_up(peer, bytes(_recv_exact(s, min(m, 1 << 16))))
-            view = _bytes(buf)
+                (m,) = _LEN.unpack(recv_exact(s, _LEN.size))
+                raise self._gave_up(peer, bytes(recv_exact(s, min(m, 1 << 16))))
+            view = as_bytes(buf)
             if n > len(view):
                 raise ValueError(
                     f"pyasync: rank {peer} sent a {n}-byte message on flow {flow}, larger than the "
                     f"{len(view)}-byte "
                     "receive buffer (a peer running another model or pyasync version?)"
                 )
-            _recv_exact_into(s, view[:n])
+            recv_exact_into(s, view[:n])
             return True
         except TimeoutError as e:
             raise TimeoutError(
@@ -547,51 +477,3 @@ class TcpTransport(Transport):
                 sel[f].close()
                 for end in wake[f]:
                     end.close()
-
-
-class _Deadline:
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("pyasync: the transport set-up timed out")
-        return left
-
-
-def _bytes(buf: torch.Tensor) -> memoryview:
-    if buf.device.type != "cpu" or not buf.is_contiguous():
-        raise ValueError(
-            f"TCP transport buffers must be contiguous CPU tensors, got one on {buf.device} "
-            f"(contiguous={buf.is_contiguous()}): stage device tensors through the host"
-        )
-    return memoryview(buf.view(torch.uint8).reshape(-1).numpy())
-
-
-def _send_all(s: socket.socket, parts: list) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        sent = s.sendmsg(views)
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    out = bytearray(n)
-    _recv_exact_into(s, memoryview(out))
-    return bytes(out)
-
-
-def _recv_exact_into(s: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        k = s.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("connection closed")
-        got += k
