@@ -213,7 +213,7 @@ class Owner:
         """Send shard ``sh``'s current values to each (worker, clock answered) of ``dests``: a frame per
         remote worker (a copy, or a coded change: engine/replies.py), a clone for this rank's worker."""
         rnd, master = sh.round, sh.state.master
-        clocks = torch.tensor(rnd.reflected, dtype=torch.int64)  # Note [Reflected clocks]
+        clocks = rnd.reflected  # Note [Reflected clocks]
         for w, c in dests:
             if w != self.rank:
                 ap.bytes_sent += self.replies.send(sh.bucket, w, c, rnd.version, master, clocks, final)
@@ -227,7 +227,7 @@ class Owner:
                     rnd.version,
                     local[0],
                     values,
-                    clocks.tolist(),
+                    clocks,
                     final,
                     event=record_event(values.device),
                 )

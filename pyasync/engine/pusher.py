@@ -164,7 +164,7 @@ class Pusher(threading.Thread):
                 fr.views = wire.push_views(fr.buf, codec, sh.numel, block, k, len(mask))
             out, mask_v, body = fr.views
             payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
-            mask_v.copy_(torch.tensor(mask, dtype=torch.uint8))
+            wire.put_ints(mask_v, mask)
             enc.remote[r] = (fr, (codec, block, k, len(mask), body), payload)
 
     def _undo(self, b: int) -> None:

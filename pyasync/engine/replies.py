@@ -84,7 +84,7 @@ class ReplyFrames:
         clock: int,
         version: int,
         master: torch.Tensor,
-        clocks: torch.Tensor,
+        clocks: list[int],
         final: bool,
     ) -> int:
         """Send worker ``w`` the shard's values (exact or coded); returns the bytes sent."""
@@ -114,7 +114,7 @@ class ReplyFrames:
             payload, clocks_v, nbytes = views
             self._change(bucket, version, master, held, out=payload)
             codec_id, flags = wire.CODEC_IDS[codec], wire.FLAG_FINITE
-        clocks_v.copy_(clocks)
+        wire.put_ints(clocks_v, clocks)
         h = wire.Header(
             kind=wire.REPLY,
             sender=self.rank,

@@ -32,6 +32,7 @@ from pyasync.engine.wire.header import (
     frame_body,
     frame_header,
     parse_header,
+    put_ints,
     seal,
 )
 from pyasync.engine.wire.layout import (
@@ -80,6 +81,7 @@ __all__ = [
     "parse_header",
     "push_parts",
     "push_views",
+    "put_ints",
     "reply_parts",
     "reply_views",
     "seal",

@@ -25,7 +25,7 @@ ranges, flags); :class:`pyasync.engine.wire.spec.WireSpec` checks the rest again
 
 from __future__ import annotations
 
-import dataclasses
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +53,7 @@ __all__ = [
     "frame_body",
     "frame_header",
     "parse_header",
+    "put_ints",
     "seal",
 ]
 
@@ -120,8 +121,15 @@ class Header:
         return bool(self.flags & FLAG_FINAL)
 
 
-def encode_header(h: Header, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The header as an int64 tensor of HEADER_LEN elements (written into ``out`` when given)."""
+_HDR = struct.Struct("<16q")  # the header's bytes (int64 little-endian: a CPU int64 tensor's layout)
+_RANGED = tuple(  # (field index, name, lowest value) of the fields checked against [lo, MAX_CLOCK]
+    (i, name, -1 if name in ("clock", "version") else 0)
+    for i, name in enumerate(_FIELDS)
+    if name in ("clock", "version", "bucket", "shard", "codec", "numel", "nbytes", "k", "block", "count")
+)
+
+
+def _fields(h: Header, nbytes: int) -> list[int]:
     f = [
         MAGIC,
         FORMAT_VERSION,
@@ -133,17 +141,25 @@ def encode_header(h: Header, out: torch.Tensor | None = None) -> torch.Tensor:
         h.shard,
         h.codec,
         h.numel,
-        h.nbytes,
+        nbytes,
         h.k,
         h.block,
         h.flags,
         h.count,
     ]
     f.append(_checksum(f))
-    t = torch.tensor(f, dtype=torch.int64)
+    return f
+
+
+def encode_header(h: Header, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The header as an int64 tensor of HEADER_LEN elements (written into ``out`` when given)."""
+    f = _fields(h, h.nbytes)
     if out is None:
-        return t
-    out.copy_(t)
+        return torch.tensor(f, dtype=torch.int64)
+    if out.device.type == "cpu" and out.is_contiguous():
+        out.numpy()[:] = f
+    else:
+        out.copy_(torch.tensor(f, dtype=torch.int64))
     return out
 
 
@@ -152,7 +168,10 @@ def parse_header(t: torch.Tensor, src: int) -> Header:
     and return the Header. ``src`` is the rank the message came from."""
     if t.dtype != torch.int64 or t.numel() != HEADER_LEN:
         raise WireError(f"header from rank {src} must be {HEADER_LEN} int64, got {t.numel()} {t.dtype}")
-    f = [int(x) for x in t.tolist()]
+    return _checked([int(x) for x in t.tolist()], src)
+
+
+def _checked(f: list[int], src: int) -> Header:
     if f[0] != MAGIC:
         raise WireError(
             f"message from rank {src} has a bad magic number {f[0]:#x} (expected {MAGIC:#x}): "
@@ -169,34 +188,30 @@ def parse_header(t: torch.Tensor, src: int) -> Header:
         raise WireError(f"message from rank {src} has an unknown kind {f[2]}")
     if f[3] != src:
         raise WireError(f"message received from rank {src} claims sender {f[3]}")
-    names = dict(zip(_FIELDS, f))
-    for name in ("clock", "version", "bucket", "shard", "codec", "numel", "nbytes", "k", "block", "count"):
-        v = names[name]
-        lo = -1 if name in ("clock", "version") else 0
+    for i, name, lo in _RANGED:
+        v = f[i]
         if v < lo or v > MAX_CLOCK:
             raise WireError(f"{KIND_NAMES[f[2]]} from rank {src} has {name}={v} out of range")
     if f[13] & ~_KNOWN_FLAGS:
         raise WireError(f"{KIND_NAMES[f[2]]} from rank {src} has unknown flags {f[13]:#x}")
-    return Header(
-        kind=f[2],
-        sender=f[3],
-        clock=f[4],
-        version=f[5],
-        bucket=f[6],
-        shard=f[7],
-        codec=f[8],
-        numel=f[9],
-        nbytes=f[10],
-        k=f[11],
-        block=f[12],
-        flags=f[13],
-        count=f[14],
-    )
+    return Header(*f[2:15])
 
 
 def seal(buf: torch.Tensor, header: Header, nbytes: int) -> None:
     """Write ``header``, its nbytes set to ``nbytes``, at the front of frame ``buf`` (any device)."""
-    encode_header(dataclasses.replace(header, nbytes=nbytes), out=buf[:HEADER_BYTES].view(torch.int64))
+    f = _fields(header, nbytes)
+    if buf.device.type == "cpu" and buf.is_contiguous():
+        _HDR.pack_into(buf.numpy(), 0, *f)
+    else:
+        buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(f, dtype=torch.int64))
+
+
+def put_ints(t: torch.Tensor, values: Sequence[int]) -> None:
+    """Write ``values`` into the 1-D tensor ``t`` (its dtype), without a temporary tensor on the CPU."""
+    if t.device.type == "cpu" and t.is_contiguous():
+        t.numpy()[:] = values
+    else:
+        t.copy_(torch.tensor(list(values), dtype=t.dtype))
 
 
 def frame_header(frame: torch.Tensor, src: int) -> Header:
@@ -208,6 +223,8 @@ def frame_header(frame: torch.Tensor, src: int) -> Header:
         )
     if not frame.is_contiguous() or frame.data_ptr() % 8 != 0:
         raise WireError(f"frame buffer for rank {src} must be contiguous and 8-byte aligned")
+    if frame.device.type == "cpu":
+        return _checked(list(_HDR.unpack_from(frame.numpy(), 0)), src)
     return parse_header(frame[:HEADER_BYTES].view(torch.int64), src)
 
 
