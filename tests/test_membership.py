@@ -282,24 +282,37 @@ def test_lost_optimizer_state_comes_from_the_last_checkpoint(tmp_path):
         assert "from the checkpoint" in what, what
 
 
-def _leaves(rank: int, world: int, victim: int, how: str):
-    """ASP for 12 steps; ``victim`` stops after step 4 without close(): "return" (its optimizer is
-    dropped) or "exit" (the interpreter exits at once)."""
+def _asp(rank: int, steps: int, before=lambda t: None):
+    """ASP under elastic=True for ``steps`` steps; ``before(t)`` runs at the start of step t (a fault),
+    and what it returns, if anything, is returned at once (no close())."""
     p = torch.nn.Parameter(torch.zeros(64))
     opt = pyasync.DistributedOptimizer(
         torch.optim.SGD([p], lr=0.1), policy="asp", timeout=TIMEOUT, elastic=True
     )
-    for t in range(12):
-        if rank == victim and t == 5:
-            if how == "exit":
-                os._exit(0)
-            return {"left": True}
+    for t in range(steps):
+        out = before(t)
+        if out is not None:
+            return out
         opt.zero_grad()
         p.grad = torch.full_like(p, float(rank + 1))
         opt.step()
     opt.close()
     st = opt.stats()
     return {"p": p.detach().clone(), "epochs": st.epochs, "clock": st.clock}
+
+
+def _leaves(rank: int, world: int, victim: int, how: str):
+    """``victim`` stops after step 4 without close(): "return" (its optimizer is dropped) or "exit"
+    (the interpreter exits at once)."""
+
+    def before(t):
+        if rank == victim and t == 5:
+            if how == "exit":
+                os._exit(0)
+            return {"left": True}
+        return None
+
+    return _asp(rank, 12, before)
 
 
 @multiproc
@@ -317,16 +330,12 @@ def test_a_worker_that_leaves_without_close_is_a_departure(how):
 
 
 def _slow_owner(rank: int, world: int, slow: int, pause: float):
-    """ASP; rank ``slow`` once stalls ``pause`` seconds inside its owner (one update) and once inside
-    its training loop: longer than the heartbeats' shortest deadline (3 s), but alive."""
+    """Rank ``slow`` once stalls ``pause`` seconds inside its owner (one update) and once inside its
+    training loop: longer than the heartbeats' shortest deadline (3 s), but alive."""
     import time
 
     import pyasync.engine.applier as applier_mod
 
-    p = torch.nn.Parameter(torch.zeros(64))
-    opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD([p], lr=0.1), policy="asp", timeout=TIMEOUT, elastic=True
-    )
     if rank == slow:
         real, calls = applier_mod.apply_push, [0]
 
@@ -337,15 +346,12 @@ def _slow_owner(rank: int, world: int, slow: int, pause: float):
             return real(*a, **k)
 
         applier_mod.apply_push = stalled
-    for t in range(16):
+
+    def before(t):
         if rank == slow and t == 10:
             time.sleep(pause)  # the fault: a worker that stops computing for a while
-        opt.zero_grad()
-        p.grad = torch.full_like(p, float(rank + 1))
-        opt.step()
-    opt.close()
-    st = opt.stats()
-    return {"p": p.detach().clone(), "epochs": st.epochs, "clock": st.clock}
+
+    return _asp(rank, 16, before)
 
 
 @multiproc
