@@ -192,6 +192,17 @@ def test_a_stalled_worker_is_dropped_and_told_when_it_wakes_up():
     assert err is not None and "dropped from the job" in err["msg"], err
 
 
+def _until_gone(opt, g: int) -> None:
+    """Wait (at most TIMEOUT) until this rank's engine has seen global rank ``g`` leave, or ``g`` is no
+    longer a member."""
+    e = opt._engine
+    with e.cond:
+        e.cond.wait_for(
+            lambda: g not in opt._globals or any(opt._globals[r] == g for r in e.lost),
+            TIMEOUT.total_seconds(),
+        )
+
+
 def _deaths(rank: int, world: int, plan: dict, ckpt: str | None):
     """Train 20 steps under ASP; ``plan``: rank -> (step, where) at which it kills itself: "step" (at the
     start of step t), "later" (from step t on, once the first epoch change is done), "recovery" (inside
@@ -211,10 +222,15 @@ def _deaths(rank: int, world: int, plan: dict, ckpt: str | None):
     if where == "recovery":
         real = membership.agree_members
         membership.agree_members = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL) or real(*a, **k)
+    # ASP waits for nobody: without this, the others could take all their steps before they see a death.
+    # Two steps after a planned death, every other rank waits (bounded) until it has seen it.
+    sees = {a + 2: victim for victim, (a, w) in plan.items() if w in ("step", "later") and victim != rank}
     errors = []
     for t in range(20):
         if (t == at and where == "step") or (t >= at and where == "later" and opt.stats().epoch >= 1):
             os.kill(os.getpid(), signal.SIGKILL)
+        if t in sees:
+            _until_gone(opt, sees[t])
         opt.zero_grad()
         p.grad = torch.full_like(p, float(rank + 1)) * (1 + t % 3)
         opt.step()
