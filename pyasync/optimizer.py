@@ -95,8 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             be initialised).
         named_parameters: optional iterable of (name, parameter), for messages and checkpoint keys.
         timeout: the longest any wait (step, close, startup) may take before a clear error.
-        num_appliers: applier threads per rank (shards of different buckets are applied in parallel;
-            with a single one, the push receiver applies what it receives itself).
+        num_appliers: applier threads per rank (shards of different buckets are applied in parallel).
         on_nonfinite: what a gradient holding NaN/Inf does. "skip" (default): the push is never
             applied (owners count it in ``stats().nonfinite_skipped``; this rank logs a warning with
             the bucket's parameter names, once). "raise": the same, and then ``step()`` raises

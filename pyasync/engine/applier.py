@@ -75,58 +75,52 @@ class Applier(threading.Thread):
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.shards: dict[int, OwnedShard] = {}
         self.bytes_sent = 0  # reply bytes (headers included)
-        self.lock = threading.Lock()  # held while a message is carried out (this thread, or the receiver)
 
     # -- the thread ---------------------------------------------------------------------------------
     def run(self) -> None:
         try:
             while True:
                 msg = self.q.get()
-                if isinstance(msg, Stop):
+                if isinstance(msg, Push):
+                    sh = self.shards[msg.bucket]
+                    if sh.round.departed[msg.worker]:  # it arrived just before its sender left
+                        self.owner.release(msg)
+                        continue
+                    self._do(
+                        sh,
+                        sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite, msg.mask, msg),
+                    )
+                    self.owner.progressed()
+                elif isinstance(msg, Close):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.close(msg.worker))
+                    self.owner.progressed()
+                elif isinstance(msg, Depart):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.depart(msg.worker))
+                    self.owner.progressed()
+                elif isinstance(msg, Pause):
+                    for sh in self.shards.values():
+                        self._do(sh, sh.round.pause(msg.worker, msg.on))
+                    if not msg.on:
+                        self.owner.resumed(msg.worker)
+                elif isinstance(msg, Release):
+                    sh = self.shards[msg.bucket]
+                    self._do(sh, sh.round.release(msg.scale))
+                    self.owner.progressed()
+                elif isinstance(msg, Call):
+                    try:
+                        msg.result.set(msg.fn(self))
+                    except BaseException as e:
+                        msg.result.fail(e)
+                elif isinstance(msg, Stop):
                     if msg.timeout is not None:  # None: stopped after a failure, nothing to wait for
-                        with self.lock:
-                            self.owner.drain_sends(self, msg.timeout)
+                        self.owner.drain_sends(self, msg.timeout)
                     return
-                with self.lock:
-                    self.handle(msg)
+                else:
+                    raise TypeError(f"applier got an unknown message {type(msg).__name__}")
         except BaseException as e:
             self.owner.fail(f"applier thread {self.name}", e)
-
-    def handle(self, msg) -> None:
-        """Carry out one message; the caller holds ``self.lock``: this thread for what is queued, or
-        the owner's receiver for what it takes off the wire (Note [Pushes applied by the receiver] in
-        engine/owner.py)."""
-        if isinstance(msg, Push):
-            sh = self.shards[msg.bucket]
-            if sh.round.departed[msg.worker]:  # it arrived just before its sender left
-                self.owner.release(msg)
-                return
-            self._do(sh, sh.round.push(msg.worker, msg.clock, msg.version, msg.payload.finite, msg.mask, msg))
-            self.owner.progressed()
-        elif isinstance(msg, Close):
-            for sh in self.shards.values():
-                self._do(sh, sh.round.close(msg.worker))
-            self.owner.progressed()
-        elif isinstance(msg, Depart):
-            for sh in self.shards.values():
-                self._do(sh, sh.round.depart(msg.worker))
-            self.owner.progressed()
-        elif isinstance(msg, Pause):
-            for sh in self.shards.values():
-                self._do(sh, sh.round.pause(msg.worker, msg.on))
-            if not msg.on:
-                self.owner.resumed(msg.worker)
-        elif isinstance(msg, Release):
-            sh = self.shards[msg.bucket]
-            self._do(sh, sh.round.release(msg.scale))
-            self.owner.progressed()
-        elif isinstance(msg, Call):
-            try:
-                msg.result.set(msg.fn(self))
-            except BaseException as e:
-                msg.result.fail(e)
-        else:
-            raise TypeError(f"applier got an unknown message {type(msg).__name__}")
 
     # -- actions ------------------------------------------------------------------------------------
     def _do(self, sh: OwnedShard, actions: list) -> None:

@@ -8,16 +8,6 @@ Threads (see docs/architecture.md, "Threads"):
   bucket as a typed :class:`~pyasync.engine.messages.Push`. CLOSE, PAUSE and RESUME go to every applier.
 * a few *appliers* (engine/applier.py) run the round machines and the updates.
 
-Note [Pushes applied by the receiver]
-    Handing each received push to an applier thread costs a wake-up and a GIL hand-off per push, the
-    largest cost left in ASP's step on a CPU (docs/benchmarks.md, "Where ASP's CPU goes"). When this
-    rank has a single applier (one owned bucket, or ``num_appliers=1``) there is no parallelism to
-    keep, so the receiver carries out every message it takes off the wire itself (pushes, CLOSE,
-    PAUSE, RESUME), under the applier's lock, in wire order; the applier thread keeps what comes from
-    elsewhere (this rank's own pushes, departures, releases, calls). With several appliers, pushes of
-    different buckets still go to their appliers, which apply them in parallel. Either way a worker's
-    messages are carried out in the order they came, and one thread at a time touches a shard.
-
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback. Send frames and receive pools are the transport's (Note [Frame
 reuse] in pyasync/transport/frames.py).
@@ -90,7 +80,6 @@ class Owner:
             rnd = policy.round(world_size, len(lay.segments), b, gated=gated)
             a.shards[b] = OwnedShard(rnd, rule.new_state(lay, masters[b]))
             self.route[b] = a
-        self.inline = len(self.appliers) == 1  # Note [Pushes applied by the receiver]
         self.gate = ClipGate(owned, notify) if gated else None
         self.receiver: threading.Thread | None = None
         self.bytes_received = 0
@@ -245,17 +234,6 @@ class Owner:
             )
 
     # -- receiver thread ------------------------------------------------------------------------------
-    def _hand(self, ap: Applier, msg) -> None:
-        """A message off the wire for applier ``ap``: carried out here when this rank has a single
-        applier, else queued to it (Note [Pushes applied by the receiver])."""
-        if not self.inline:
-            ap.q.put(msg)
-            return
-        with ap.lock:
-            if self.aborted:
-                raise PoolClosed("the owner was stopped")
-            ap.handle(msg)
-
     def _recv_loop(self) -> None:
         remaining = self.remaining
         try:
@@ -271,7 +249,7 @@ class Owner:
                     self.intake.give()  # a control message holds nothing
                     if h.kind != wire.CLOSE:
                         for a in self.appliers:
-                            self._hand(a, Pause(src, h.kind == wire.PAUSE))
+                            a.q.put(Pause(src, h.kind == wire.PAUSE))
                         continue
                     if src not in remaining:
                         if src in self.departed:
@@ -279,7 +257,7 @@ class Owner:
                         raise wire.WireError(f"rank {src} sent CLOSE twice")
                     remaining.discard(src)
                     for a in self.appliers:
-                        self._hand(a, Close(src))
+                        a.q.put(Close(src))
                     continue
                 self.spec.check_push(h)
                 if h.bucket not in self.route:
@@ -298,9 +276,7 @@ class Owner:
                     payload.codec, payload.n, codes, scales, indices, payload.k, payload.block, payload.finite
                 )
                 mask_t = tuple(bool(m) for m in mask.tolist())
-                self._hand(
-                    self.route[h.bucket], Push(h.bucket, src, h.clock, h.version, payload, mask_t, frame)
-                )
+                self.route[h.bucket].q.put(Push(h.bucket, src, h.clock, h.version, payload, mask_t, frame))
         except (TransportClosed, PoolClosed):
             return  # stopped on purpose (close after a failure)
         except BaseException as e:
