@@ -156,10 +156,7 @@ def encode_header(h: Header, out: torch.Tensor | None = None) -> torch.Tensor:
     f = _fields(h, h.nbytes)
     if out is None:
         return torch.tensor(f, dtype=torch.int64)
-    if out.device.type == "cpu" and out.is_contiguous():
-        out.numpy()[:] = f
-    else:
-        out.copy_(torch.tensor(f, dtype=torch.int64))
+    put_ints(out, f)
     return out
 
 
