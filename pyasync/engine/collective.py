@@ -1,5 +1,5 @@
-"""BSP on collectives: every step is a reduce-scatter (or an all-to-all of encoded pushes), the fused
-update of the shard this rank owns, and an all-gather of the new shard values. No engine thread, no
+"""BSP on collectives: every step is a reduce (an all-to-all of gradient chunks or of encoded pushes),
+the fused update of the shard this rank owns, and an all-gather of the new shard values. No engine thread, no
 point-to-point message: the training thread runs the step's collectives on the optimizer's own gloo
 group (the same code would run on an NCCL group), pipelined across buckets.
 
@@ -10,7 +10,8 @@ Note [BSP on collectives]
 
     * uncompressed: each rank lays its gradient x 1/n out as one chunk per shard, each chunk followed by
       a few extra elements: one has-grad flag per parameter segment of that shard, a non-finite flag,
-      and the rank's clock. ``reduce_scatter`` (SUM) leaves shard r's chunk on rank r: the mean
+      and the rank's clock. ``all_to_all`` hands rank r every rank's chunk r, and rank r sums them in
+      rank order (Note [Reduce by all-to-all]: on gloo it costs less than ``reduce_scatter``): the mean
       gradient, how many ranks had a gradient for each segment (the mask of the update), how many
       pushes were not finite (counted as zeros in the mean, as the point-to-point BSP does) and n x the
       clock (a rank on another step is an error, not a silent mix);
@@ -21,8 +22,8 @@ Note [BSP on collectives]
     * the owner applies the mean with the fused kernel (engine/rule.py) on its shard, clipped first
       under ``max_grad_norm`` (one all-reduce of the ranks' squared norms: the mean gradient's norm,
       as DDP + ``clip_grad_norm_``);
-    * ``all_gather`` of the new shard values (each padded to the largest shard) installs them on every
-      rank, so replicas are equal after every step.
+    * an all-gather of the new shard values (each padded to the largest shard; on gloo an all-to-all of
+      n copies, engine/gather.py) installs them on every rank, so replicas are equal after every step.
 
     The gradient is read from ``.grad`` in ``step()``, so what the caller leaves there is what is
     reduced (Note [What step() pushes]).

@@ -1,8 +1,8 @@
 """The reduce half of a BSP step on collectives (Note [BSP on collectives] in engine/collective.py):
-the buffers each bucket's reduce-scatter or all-to-all uses, and the two ways to fill them, a
-reduce-scatter of scaled gradient chunks (uncompressed) or an all-to-all of encoded push frames
-(compressed). Both return, per bucket this rank owns, (the mean gradient of its shard, the has-grad
-mask of its segments, how many ranks' pushes were finite)."""
+the buffers each bucket's all-to-all uses, and the two ways to fill them, an all-to-all of scaled
+gradient chunks summed in rank order (uncompressed, Note [Reduce by all-to-all]) or an all-to-all of
+encoded push frames (compressed). Both return, per bucket this rank owns, (the mean gradient of its
+shard, the has-grad mask of its segments, how many ranks' pushes were finite)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,22 @@ from pyasync.ops import codecs as ops_codecs
 
 __all__ = ["StepReduce"]
 
-# torch 2.13 renamed reduce_scatter_tensor; older releases only have the old name.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 class StepReduce:
     """Mixin of CollectiveEngine: expects layouts, spec, comp, params, rank, n, st, raw_bytes,
-    enc_bytes and the engine's _collective, _wait, _sticky, _count, _on_nonfinite and owned_version."""
+    enc_bytes and the engine's _collective, _wait, _sticky, _count, _on_nonfinite and owned_version.
+
+    Note [Reduce by all-to-all]
+        The uncompressed reduce of a bucket is an ``all_to_all`` of the n chunks (chunk r, this rank's
+        gradient slice of shard r x 1/n and its extras, goes to rank r); each owner then sums the n
+        chunks it got in rank order. This moves the same bytes as a ring reduce-scatter ((n-1)/n of the
+        bucket out and in per rank) in one exchange instead of n-1 rounds, and on gloo it takes less than
+        half the CPU of ``reduce_scatter_tensor`` (docs/benchmarks.md, "BSP: the reduce by
+        all-to-all"); the sum is a few adds per element of one shard. The all-gather of the new values
+        is an all-to-all of n copies of the shard for the same reason (engine/gather.py). On NCCL,
+        ring collectives would be the better calls; the collective engine runs on the optimizer's gloo
+        group.
+    """
 
     # -- layout of one step's buffers -------------------------------------------------------------------
     def _plan(self) -> None:
@@ -44,8 +53,7 @@ class StepReduce:
                     for r, sh in enumerate(lay.shards)
                 ]
             )
-        # One tensor per bucket, n equal chunks: gloo's reduce-scatter of one tensor costs about an
-        # all-reduce, its reduce-scatter of a list of tensors more than twice that.
+        # One tensor per bucket, n equal chunks: one all-to-all per bucket (Note [Reduce by all-to-all]).
         self.rs_buf = [torch.zeros(stride * self.n) for stride in self.stride]
         self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
 
@@ -57,8 +65,9 @@ class StepReduce:
         return out
 
     def _reduce_dense(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
-        """Uncompressed: per bucket, the reduce-scatter of chunks (values x scale / n, then extras). A
-        rank that closed (``active`` False) joins with zeros and no gradient (Note [Joining])."""
+        """Uncompressed: per bucket, the all-to-all of chunks (values x scale / n, then extras) and their
+        sum in rank order (Note [Reduce by all-to-all]). A rank that closed (``active`` False) joins with
+        zeros and no gradient (Note [Joining])."""
         works = []
         for b, lay in enumerate(self.layouts):
             buf, rows = self.rs_buf[b], self.chunks[b]
@@ -94,23 +103,24 @@ class StepReduce:
                 ex[-1] = float(t if active else 0)
             stride = self.stride[b]
             self.st.bytes_sent += 4 * stride * (self.n - 1)  # what leaves this rank
-            out = torch.empty(stride)
             if self.n > 1:
+                out = torch.empty(stride * self.n)
                 w = self._collective(
-                    "the gradient reduce-scatter", _reduce_scatter_single, out, buf, async_op=True
+                    "the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True
                 )
             else:
-                out.copy_(buf)
-                w = None
+                out, w = buf, None
             works.append((b, out, w))
         means = {}
         for b, out, work in works:
             if work is not None:
-                self._wait(work, "the gradient reduce-scatter")
+                self._wait(work, "the gradient all-to-all")
             numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
             if numel == 0:
                 continue
-            ex = out[numel : numel + extras]
+            # Rank r's chunk of this shard is row r: summed over dim 0, in rank order.
+            total = out.view(self.n, self.stride[b])[:, : numel + extras].sum(0)
+            ex = total[numel:]
             stepping = round(float(ex[-2]))
             if active and round(float(ex[-1])) != stepping * t:
                 err = ProtocolError(
@@ -124,7 +134,7 @@ class StepReduce:
             mask = [bool(x > 0) for x in ex[: extras - 3].tolist()]
             self._count(b, bad, stepping)
             self.seen_active = stepping
-            means[b] = (out[:numel], mask, stepping - bad)
+            means[b] = (total[:numel], mask, stepping - bad)
         return means
 
     def _reduce_encoded(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
