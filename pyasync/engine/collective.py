@@ -149,9 +149,7 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
             b: _Owned(_Book(0, [0] * world_size), rule.new_state(layouts[b].shards[rank], masters[b]))
             for b in masters
         }
-        self.shards = ShardAccess(
-            _Here(self.owned), rule, layouts, params, rank, timeout, self._require_open
-        )
+        self.shards = ShardAccess(_Here(self.owned), rule, layouts, params, rank, timeout, self._require_open)
         self.capture = Capture(params, layouts, self.cond, lambda b: None)  # no_sync(); nothing early
         self._plan()
         self._init_replies()

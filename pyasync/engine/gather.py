@@ -15,12 +15,12 @@ from pyasync.ops import codecs as ops_codecs
 __all__ = ["StepGather"]
 
 
-def _launch_gather(collective, out: torch.Tensor, mine: torch.Tensor, n: int):
-    """All-gather ``mine`` into ``out`` (rank r's at slot r) as an all-to-all of n copies: on gloo one
-    exchange instead of n-1 ring rounds, and less CPU than ``all_gather_into_tensor`` (Note [Reduce by
-    all-to-all] in engine/reduce.py)."""
+def _launch_gather(collective, out: torch.Tensor, send: torch.Tensor):
+    """All-gather into ``out`` (rank r's slot at r) as an all-to-all of ``send``, n copies of this
+    rank's slot: on gloo one exchange instead of n-1 ring rounds, and less CPU than
+    ``all_gather_into_tensor`` (Note [Reduce by all-to-all] in engine/reduce.py)."""
     return collective(
-        "the all-gather of the new values", dist.all_to_all_single, out, mine.repeat(n), async_op=True
+        "the all-gather of the new values", dist.all_to_all_single, out, send.view(-1), async_op=True
     )
 
 
@@ -81,7 +81,8 @@ class StepGather:
             width = self.reply_width[b]
             if width == 0:
                 continue
-            mine = torch.zeros(width + 8, dtype=torch.uint8)  # + the pushing ranks seen (float64: aligned)
+            send = torch.zeros(self.n, width + 8, dtype=torch.uint8)  # + the pushing ranks seen (float64)
+            mine = send[0]
             own = self.owned.get(b)
             if own is not None:
                 self._encode_delta(b, t, own, mine[:width])
@@ -89,7 +90,8 @@ class StepGather:
             out = torch.empty((width + 8) * self.n, dtype=torch.uint8)
             self.st.bytes_sent += width * (self.n - 1)
             if self.n > 1:
-                w = _launch_gather(self._collective, out, mine, self.n)
+                send[1:] = mine
+                w = _launch_gather(self._collective, out, send)
             else:
                 out.copy_(mine)
                 w = None
@@ -158,19 +160,20 @@ class StepGather:
             width = self.width[b]
             if width == 0:
                 continue
-            mine = torch.zeros(width + 1)  # + the pushing ranks seen
+            send, out = self.ag_send[b], self.ag_recv[b]  # kept across steps
+            mine = send[0]
             own = self.owned.get(b)
             if own is not None:
                 mine[: own.state.master.numel()].copy_(own.state.master)
             mine[width] = float(self.seen_active)
-            out = torch.empty((width + 1) * self.n)
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
             if self.n > 1:
+                send[1:] = mine
                 works.append(
                     (
                         b,
                         out,
-                        _launch_gather(self._collective, out, mine, self.n),
+                        _launch_gather(self._collective, out, send),
                     )
                 )
             else:

@@ -54,8 +54,14 @@ class StepReduce:
                 ]
             )
         # One tensor per bucket, n equal chunks: one all-to-all per bucket (Note [Reduce by all-to-all]).
+        # Kept across steps (the all-to-all's two sides and the rank-order sum of this rank's chunks):
+        # no fresh buffer of a bucket's size per step.
         self.rs_buf = [torch.zeros(stride * self.n) for stride in self.stride]
+        self.rs_recv = [torch.empty(stride * self.n) if self.n > 1 else None for stride in self.stride]
+        self.rs_sum = [torch.empty(a + e) for a, e in (rows[self.rank][1:] for rows in self.chunks)]
         self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
+        self.ag_send = [torch.zeros(self.n, w + 1) for w in self.width]  # + the pushing ranks seen
+        self.ag_recv = [torch.empty((w + 1) * self.n) for w in self.width]
 
     def _grads(self, b: int) -> list[torch.Tensor | None]:
         out = []
@@ -104,7 +110,7 @@ class StepReduce:
             stride = self.stride[b]
             self.st.bytes_sent += 4 * stride * (self.n - 1)  # what leaves this rank
             if self.n > 1:
-                out = torch.empty(stride * self.n)
+                out = self.rs_recv[b]
                 w = self._collective(
                     "the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True
                 )
@@ -119,7 +125,7 @@ class StepReduce:
             if numel == 0:
                 continue
             # Rank r's chunk of this shard is row r: summed over dim 0, in rank order.
-            total = out.view(self.n, self.stride[b])[:, : numel + extras].sum(0)
+            total = torch.sum(out.view(self.n, self.stride[b])[:, : numel + extras], 0, out=self.rs_sum[b])
             ex = total[numel:]
             stepping = round(float(ex[-2]))
             if active and round(float(ex[-1])) != stepping * t:
