@@ -67,16 +67,17 @@ class Link:
         """Wire time of ``nbytes`` bytes on this link, in seconds."""
         return nbytes * 8.0 / (self.gbps * 1e9)
 
-    def reserve(self, nbytes: int) -> float:
+    def reserve(self, nbytes: int, since: float | None = None) -> float:
         """Put a message of ``nbytes`` bytes on the link; returns the clock time (s) its last byte leaves.
 
-        The message starts when the link is free (``max(now, busy_until)``) and occupies it for
+        The message starts when the link is free (``max(now, busy_until)``; with ``since``, a clock time
+        in the past, ``max(since, busy_until)``: bytes that were ready then) and occupies it for
         ``nbytes * 8 / (gbps * 1e9)`` seconds.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
         with self._lock:
-            start = max(self._clock(), self._busy_until)
+            start = max(self._clock() if since is None else since, self._busy_until)
             self._busy_until = start + self.seconds(nbytes)
             self.bytes_reserved += nbytes
             self.messages += 1
@@ -90,6 +91,29 @@ class Link:
 
     def __repr__(self) -> str:
         return f"Link(gbps={self.gbps:g})"
+
+
+def steps_behind_link(opt, link: Link, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Put the collectives of BSP on collectives behind ``link``: they run on gloo inside ``step()``,
+    not through the transport, so ``ThrottledTransport`` never sees them. Each ``opt.step()`` then
+    returns no earlier than the bytes it sent (the growth of ``opt.stats().bytes_sent``: the reduce's and
+    the gather's) would have left the link, counted from when step() was called.
+
+    Optimistic by what separates the two collectives (the owner's update): a real link would send the
+    gather's bytes only after the reduce's had arrived and the shard was updated."""
+    inner = opt.step
+
+    def step(*args, **kwargs):
+        t0 = link._clock()
+        before = opt.stats().bytes_sent
+        out = inner(*args, **kwargs)
+        done = link.reserve(int(opt.stats().bytes_sent - before), since=t0)
+        left = done - link._clock()
+        if left > 0:
+            sleep(left)
+        return out
+
+    opt.step = step
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from linkemu import Link, ThrottledTransport, complete_after
+from linkemu import Link, ThrottledTransport, complete_after, steps_behind_link
 
 from pyasync.transport.base import Handle, Transport
 
@@ -51,6 +51,44 @@ def test_link_bandwidth_scales_wire_time():
     clock = FakeClock()
     slow = Link(0.1, clock=clock)
     assert slow.reserve(1_250_000) == pytest.approx(0.1)  # 10 Mbit at 100 Mbit/s
+
+
+def test_reserve_since_counts_from_when_the_bytes_were_ready():
+    clock = FakeClock()
+    link = Link(1.0, clock=clock)
+    clock.now = 3.0
+    assert link.reserve(125_000_000, since=2.5) == pytest.approx(3.5)  # ready at 2.5, on the wire since
+    assert link.reserve(125_000_000, since=2.0) == pytest.approx(4.5)  # queues behind the first
+
+
+def test_steps_behind_link_charges_each_steps_bytes():
+    """BSP on collectives: step() returns once the bytes it sent would have left the link."""
+    clock = FakeClock()
+    link = Link(1.0, clock=clock)
+    slept = []
+
+    class Opt:
+        sent = 0
+
+        def stats(self):
+            return type("S", (), {"bytes_sent": self.sent})()
+
+        def step(self):
+            clock.now += 0.25  # the collectives took 0.25 s unthrottled
+            self.sent += 125_000_000  # 1 s of this link
+            return "stepped"
+
+    opt = Opt()
+    steps_behind_link(opt, link, sleep=lambda s: (slept.append(s), setattr(clock, "now", clock.now + s)))
+    assert opt.step() == "stepped"
+    assert slept == [pytest.approx(0.75)] and clock.now == pytest.approx(1.0)
+    clock.now = 5.0  # a long compute phase: the link is idle again
+    opt.step()
+    assert slept[-1] == pytest.approx(0.75) and clock.now == pytest.approx(6.0)
+    fast = Opt()
+    steps_behind_link(fast, Link(1e9, clock=clock), sleep=slept.append)
+    fast.step()
+    assert len(slept) == 2  # wire time shorter than the step itself: no wait
 
 
 @pytest.mark.parametrize("gbps", [0, -1.0, float("nan"), float("inf"), True, "1"])

@@ -4,8 +4,10 @@
 Note [Emulated link]
     With ``BenchConfig.bandwidth_gbps`` set, every rank's sends go through one emulated link of that
     bandwidth (one :class:`linkemu.Link` per process): the harness hands pyasync's DistributedOptimizer
-    a transport factory that wraps gloo in ``ThrottledTransport``, and DDP's hook delays each
-    all-reduce's future by the wire time of what this rank sends. See Note [Link emulation] in
+    a transport factory that wraps gloo in ``ThrottledTransport``, BSP on collectives (whose reduce and
+    gather bypass the transport) returns from each step() no earlier than its bytes would have left
+    the link (``steps_behind_link``), and DDP's hook delays each all-reduce's future by the wire time of
+    what this rank sends. See Note [Link emulation] in
     ``bench/linkemu.py``.
 """
 
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from linkemu import Link, ThrottledTransport
+from linkemu import Link, ThrottledTransport, steps_behind_link
 
 from pyasync.demo.data import Digits
 from pyasync.demo.local import run_local
@@ -23,6 +25,7 @@ from pyasync.demo.record import gather_rank_stats, make_record
 from pyasync.demo.straggler import measure_all_ranks
 from pyasync.demo.systems import Trainer, build_ddp, build_pyasync
 from pyasync.demo.train import RankRun, setup, timed_loop
+from pyasync.engine.collective import CollectiveEngine
 from pyasync.transport.gloo import GlooTransport
 
 from . import peers
@@ -60,7 +63,10 @@ def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link 
             ddp_kwargs["bucket_cap_mb"] = max(25.0, nbytes / 2**20 + 1.0)
         return build_ddp(run.model, cfg, state, ddp_comm_hook, **ddp_kwargs)
     if cfg.system.is_pyasync:
-        return build_pyasync(run.model, cfg, transport=None if link is None else gloo_behind_link(link))
+        trainer = build_pyasync(run.model, cfg, transport=None if link is None else gloo_behind_link(link))
+        if link is not None and isinstance(trainer.opt.engine, CollectiveEngine):
+            steps_behind_link(trainer.opt, link)  # its collectives bypass the transport
+        return trainer
     if cfg.system.kind == "torchft":
         return peers.torchft_trainer(cfg, run.model, run.rank, store, link)
     if cfg.system.kind == "hivemind":
