@@ -87,7 +87,12 @@ def pyasync_info() -> dict[str, Any]:
         info["import_error"] = str(e)
         return info
     info["version"] = getattr(pyasync, "__version__", None)
-    info["path"] = str(Path(pyasync.__file__).resolve().parent)
+    where = Path(pyasync.__file__).resolve().parent
+    # The source tree's own copy is recorded as "pyasync" (no machine path in committed results).
+    if where == REPO_ROOT / "pyasync":
+        info["path"] = "pyasync"
+    else:
+        info["path"] = "site-packages" if "site-packages" in where.parts else "outside the source tree"
     try:
         _ext.C()
     except ImportError as e:
