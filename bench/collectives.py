@@ -58,15 +58,21 @@ def _free_port() -> int:
 
 
 def _ops(numel: int, n: int) -> dict[str, Any]:
+    """The ops on buffers made once, as the engine keeps its buffers across steps (engine/reduce.py)."""
     x = torch.randn(numel)
     out = torch.empty(numel)
     shard = torch.randn(numel // n)
+    total = torch.empty(numel // n)
+    copies = torch.empty(n, numel // n)
     return {
         "all_reduce": lambda: dist.all_reduce(x),
         "reduce_scatter": lambda: _reduce_scatter(shard, x),
-        "a2a_reduce": lambda: (dist.all_to_all_single(out, x), out.view(n, -1).sum(0)),
+        "a2a_reduce": lambda: (dist.all_to_all_single(out, x), torch.sum(out.view(n, -1), 0, out=total)),
         "all_gather": lambda: _all_gather(out, shard),
-        "a2a_gather": lambda: dist.all_to_all_single(out, shard.repeat(n)),
+        "a2a_gather": lambda: (
+            copies.copy_(shard.expand(n, -1)),
+            dist.all_to_all_single(out, copies.view(-1)),
+        ),
     }
 
 

@@ -15,15 +15,6 @@ from pyasync.ops import codecs as ops_codecs
 __all__ = ["StepGather"]
 
 
-def _launch_gather(collective, out: torch.Tensor, send: torch.Tensor):
-    """All-gather into ``out`` (rank r's slot at r) as an all-to-all of ``send``, n copies of this
-    rank's slot: on gloo one exchange instead of n-1 ring rounds, and less CPU than
-    ``all_gather_into_tensor`` (Note [Reduce by all-to-all] in engine/reduce.py)."""
-    return collective(
-        "the all-gather of the new values", dist.all_to_all_single, out, send.view(-1), async_op=True
-    )
-
-
 class StepGather:
     """Mixin of CollectiveEngine: expects layouts, params, owned, rank, n, device, spec, comp, clock, st,
     width, frames and the engine's _collective and _wait.
@@ -64,6 +55,14 @@ class StepGather:
             return self._gather_deltas(t)
         return self._gather(t)
 
+    def _launch_gather(self, out: torch.Tensor, send: torch.Tensor):
+        """All-gather into ``out`` (rank r's slot at r) as an all-to-all of ``send``, n copies of this
+        rank's slot: on gloo one exchange instead of n-1 ring rounds, and less CPU than
+        ``all_gather_into_tensor`` (Note [Reduce by all-to-all] in engine/reduce.py)."""
+        return self._collective(
+            "the all-gather of the new values", dist.all_to_all_single, out, send.view(-1), async_op=True
+        )
+
     def _tail(self, out: torch.Tensor, stride: int) -> int:
         """The largest count of pushing ranks any owner saw: every rank's slot of a gather ends with
         its count (a float64, as 8 bytes in the compressed gather)."""
@@ -91,7 +90,7 @@ class StepGather:
             self.st.bytes_sent += width * (self.n - 1)
             if self.n > 1:
                 send[1:] = mine
-                w = _launch_gather(self._collective, out, send)
+                w = self._launch_gather(out, send)
             else:
                 out.copy_(mine)
                 w = None
@@ -169,13 +168,7 @@ class StepGather:
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
             if self.n > 1:
                 send[1:] = mine
-                works.append(
-                    (
-                        b,
-                        out,
-                        _launch_gather(self._collective, out, send),
-                    )
-                )
+                works.append((b, out, self._launch_gather(out, send)))
             else:
                 out.copy_(mine)
                 works.append((b, out, None))
