@@ -60,6 +60,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_simd() -> list[str]:
+    """The vector extensions the kernels' -march=native build can use: the same model name hides
+    machines with and without AVX-512, and the CPU figures differ by up to 7x between them."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    wanted = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl")
+                    return [x for x in wanted if x in have]
+    except OSError:
+        pass
+    return []
+
+
 def _git(*args: str) -> str | None:
     try:
         r = subprocess.run(
@@ -113,6 +128,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         affinity = os.cpu_count()
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
+        "cpu_simd": _cpu_simd(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
         "platform": platform.platform(),

@@ -32,8 +32,12 @@ namespace pyasync {
 // |v| (monotone for non-negative floats, so exact); the abs-sum uses kLanes partial sums so it
 // vectorises without -ffast-math; sign bits go through one 0/1 byte per element and are packed 8 at a
 // time with a multiply. The shared formulas avoid ?: around divisions and multiplies (gcc will not
-// if-convert a possibly trapping operation it sank into a branch), so these loops vectorise under the
-// default -ftrapping-math; -ffp-contract=off keeps every result bit-identical to the scalar formula.
+// if-convert a possibly trapping operation it sank into a branch). That is not enough on its own: the
+// residual's select and the int8 clamp still vectorise under the default -ftrapping-math only with
+// AVX-512's masked operations. On an AVX2 machine they ran scalar (int8/sign encode 5-7x and the Adam
+// apply 3-4x slower, bench/results/kernels_cpu_avx2.json), so the build passes -fno-trapping-math
+// (CMakeLists.txt), which changes no value; -ffp-contract=off keeps every result bit-identical to the
+// scalar formula, and the exact-code tests hold it to the torch reference.
 // Small inputs run on one thread (an OpenMP fork costs more than the work).
 
 namespace {
