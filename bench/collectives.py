@@ -9,7 +9,9 @@ shard values back; DDP all-reduces. This times, on ``--ranks`` processes of one 
 * ``a2a_reduce``: what pyasync runs, an all-to-all of the n chunks, then their sum in rank order
   (Note [Reduce by all-to-all] in pyasync/engine/reduce.py);
 * ``all_gather``: gloo's all-gather of one shard per rank (``all_gather_into_tensor``);
-* ``a2a_gather``: what pyasync runs, an all-to-all of n copies of the shard.
+* ``a2a_gather``: an all-to-all of n copies of the shard;
+* ``p2p_reduce`` / ``p2p_gather``: the same exchanges as point-to-point ``isend``/``irecv`` of the
+  chunks (no copies on the sending side), what pyasync runs (Note [Reduce by all-to-all]).
 
 Every op runs ``--warmup`` times, then ``--iters`` times between two barriers: the figure is rank 0's
 wall time per call and its process CPU time per call (all threads: gloo's included). Ops are
@@ -45,7 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-OPS = ("all_reduce", "reduce_scatter", "a2a_reduce", "all_gather", "a2a_gather")
+OPS = ("all_reduce", "reduce_scatter", "a2a_reduce", "p2p_reduce", "all_gather", "a2a_gather", "p2p_gather")
 # torch 2.13 renamed these; older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -55,6 +57,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _exchange(out: torch.Tensor, send: list[torch.Tensor]) -> None:
+    """Row r of ``out`` from rank r, ``send[r]`` to rank r, as point-to-point ops (own row copied)."""
+    me, n = dist.get_rank(), dist.get_world_size()
+    rows = out.view(n, -1)
+    ops = []
+    for i in range(1, n):
+        dst, src = (me + i) % n, (me - i) % n
+        ops.append(dist.P2POp(dist.irecv, rows[src], src))
+        ops.append(dist.P2POp(dist.isend, send[dst], dst))
+    rows[me].copy_(send[me])
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
 
 
 def _ops(numel: int, n: int) -> dict[str, Any]:
@@ -68,7 +84,12 @@ def _ops(numel: int, n: int) -> dict[str, Any]:
         "all_reduce": lambda: dist.all_reduce(x),
         "reduce_scatter": lambda: _reduce_scatter(shard, x),
         "a2a_reduce": lambda: (dist.all_to_all_single(out, x), torch.sum(out.view(n, -1), 0, out=total)),
+        "p2p_reduce": lambda: (
+            _exchange(out, list(x.view(n, -1).unbind(0))),
+            torch.sum(out.view(n, -1), 0, out=total),
+        ),
         "all_gather": lambda: _all_gather(out, shard),
+        "p2p_gather": lambda: _exchange(out, [shard] * n),
         "a2a_gather": lambda: (
             copies.copy_(shard.expand(n, -1)),
             dist.all_to_all_single(out, copies.view(-1)),

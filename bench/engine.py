@@ -79,7 +79,8 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
     else:
         net = model
-        policy, _, transport = mode.partition("@")
+        spec, _, transport = mode.partition("@")
+        policy, _, codec = spec.partition("+")
         factory = None
         if transport == "gloo":
             from pyasync.transport.gloo import GlooTransport as factory
@@ -91,6 +92,7 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
             timeout=datetime.timedelta(seconds=120),
             transport=factory,
             bucket_cap_mb=args.bucket_mb,
+            compression=codec or None,
         )
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, MODELS[args.model][0], generator=g)
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--modes",
         default="ddp,bsp,asp",
-        help="comma-separated: ddp or a pyasync policy spec, optionally with @tcp (default) or @gloo, "
+        help="comma-separated: ddp or a pyasync policy spec, optionally +COMPRESSION (e.g. bsp+topk:0.01) "
+        "and @tcp (default) or @gloo, "
         "the point-to-point transport (e.g. asp@gloo)",
     )
     ap.add_argument("--ranks", type=int, default=4)

@@ -22,8 +22,9 @@ Note [BSP on collectives]
     * the owner applies the mean with the fused kernel (engine/rule.py) on its shard, clipped first
       under ``max_grad_norm`` (one all-reduce of the ranks' squared norms: the mean gradient's norm,
       as DDP + ``clip_grad_norm_``);
-    * an all-gather of the new shard values (each padded to the largest shard; on gloo an all-to-all of
-      n copies, engine/gather.py) installs them on every rank, so replicas are equal after every step.
+    * an all-gather of the new shard values (each padded to the largest shard; on gloo point-to-point
+      sends of the shard to every rank, engine/gather.py) installs them on every rank, so replicas are
+      equal after every step.
 
     The gradient is read from ``.grad`` in ``step()``, so what the caller leaves there is what is
     reduced (Note [What step() pushes]).

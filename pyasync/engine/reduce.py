@@ -29,9 +29,11 @@ class StepReduce:
         bucket out and in per rank) in one exchange instead of n-1 rounds, and on gloo it takes less than
         half the CPU of ``reduce_scatter_tensor`` (docs/benchmarks.md, "BSP: the reduce by
         all-to-all"); the sum is a few adds per element of one shard. The all-gather of the new values
-        is an all-to-all of n copies of the shard for the same reason (engine/gather.py). On NCCL,
-        ring collectives would be the better calls; the collective engine runs on the optimizer's gloo
-        group.
+        is a point-to-point send of the shard to every other rank (engine/gather.py): no n copies of it
+        to build an all-to-all's input, and on gloo less time than either that all-to-all or
+        ``all_gather_into_tensor``; the reduce stays an all-to-all, which beat point-to-point there
+        (``bench/collectives.py``). On NCCL, ring collectives would be the better calls; the collective
+        engine runs on the optimizer's gloo group.
     """
 
     # -- layout of one step's buffers -------------------------------------------------------------------
@@ -53,15 +55,25 @@ class StepReduce:
                     for r, sh in enumerate(lay.shards)
                 ]
             )
-        # One tensor per bucket, n equal chunks: one all-to-all per bucket (Note [Reduce by all-to-all]).
-        # Kept across steps (the all-to-all's two sides and the rank-order sum of this rank's chunks):
-        # no fresh buffer of a bucket's size per step.
-        self.rs_buf = [torch.zeros(stride * self.n) for stride in self.stride]
-        self.rs_recv = [torch.empty(stride * self.n) if self.n > 1 else None for stride in self.stride]
-        self.rs_sum = [torch.empty(a + e) for a, e in (rows[self.rank][1:] for rows in self.chunks)]
+        # Every buffer of a step is kept across steps: no fresh tensor of a bucket's size per step (its
+        # allocation and first touch cost more than the copies they hold).
         self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
-        self.ag_send = [torch.zeros(self.n, w + 1) for w in self.width]  # + the pushing ranks seen
+        # The gather of the values (every step uncompressed; compressed, at close() and checkpoints):
+        # this rank's slot + the pushing ranks seen, and every rank's.
+        self.ag_send = [torch.zeros(w + 1) for w in self.width]
         self.ag_recv = [torch.empty((w + 1) * self.n) for w in self.width]
+        if self.codec == "none":
+            # One tensor per bucket, n equal chunks: one all-to-all per bucket (Note [Reduce by
+            # all-to-all]); its receive side; the rank-order sum of this rank's chunks.
+            self.rs_buf = [torch.zeros(stride * self.n) for stride in self.stride]
+            self.rs_recv = [torch.empty(stride * self.n) if self.n > 1 else None for stride in self.stride]
+            self.rs_sum = [torch.empty(a + e) for a, e in (rows[self.rank][1:] for rows in self.chunks)]
+        else:
+            # The flat gradient, the push frames out and in, and the decoded sum of this rank's shard.
+            self.enc_flat = [torch.zeros(lay.numel) for lay in self.layouts]
+            self.enc_send = [torch.zeros(sum(sizes), dtype=torch.uint8) for sizes in self.frames]
+            self.enc_recv = [torch.zeros(f[self.rank] * self.n, dtype=torch.uint8) for f in self.frames]
+            self.enc_agg = [torch.empty(lay.shards[self.rank].numel) for lay in self.layouts]
 
     def _grads(self, b: int) -> list[torch.Tensor | None]:
         out = []
@@ -124,8 +136,15 @@ class StepReduce:
             numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
             if numel == 0:
                 continue
-            # Rank r's chunk of this shard is row r: summed over dim 0, in rank order.
-            total = torch.sum(out.view(self.n, self.stride[b])[:, : numel + extras], 0, out=self.rs_sum[b])
+            # Rank r's chunk of this shard is row r: summed in rank order, ((row 0 + row 1) + row 2) + ...
+            rows = out.view(self.n, self.stride[b])[:, : numel + extras]
+            total = self.rs_sum[b]
+            if self.n > 1:
+                torch.add(rows[0], rows[1], out=total)
+            else:
+                total.copy_(rows[0])
+            for r in range(2, self.n):
+                total.add_(rows[r])
             ex = total[numel:]
             stepping = round(float(ex[-2]))
             if active and round(float(ex[-1])) != stepping * t:
@@ -149,13 +168,15 @@ class StepReduce:
         no gradient, encoded without touching its residuals (Note [Joining])."""
         means = {}
         for b, lay in enumerate(self.layouts):
-            flat = torch.zeros(lay.numel)
+            flat = self.enc_flat[b]
             grads = self._grads(b) if active else [None] * len(lay.params)
             has = [g is not None for g in grads]
-            if lay.numel and active:
+            if lay.numel and active:  # every element of the bucket: None grads as zeros
                 ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
+            elif lay.numel:
+                flat.zero_()
             sizes = self.frames[b]
-            send = torch.zeros(sum(sizes), dtype=torch.uint8)
+            send = self.enc_send[b]  # every frame is written whole (header, mask, payload) each step
             off = 0
             for r, sh in enumerate(lay.shards):
                 if sh.numel == 0:
@@ -194,7 +215,7 @@ class StepReduce:
                 off += sizes[r]
             mine = sizes[self.rank]
             self.st.bytes_sent += sum(sizes) - mine
-            recv = torch.empty(mine * self.n, dtype=torch.uint8)
+            recv = self.enc_recv[b]
             if self.n > 1:
                 self._collective(
                     "the push all-to-all",
@@ -209,7 +230,7 @@ class StepReduce:
             sh = lay.shards[self.rank]
             if sh.numel == 0:
                 continue
-            agg = torch.zeros(sh.numel)
+            agg = self.enc_agg[b].zero_()
             mask = [False] * len(sh.segments)
             bad = stepping = 0
             for w in range(self.n):  # rank order: the sum does not depend on arrival
