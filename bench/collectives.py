@@ -6,12 +6,12 @@ shard values back; DDP all-reduces. This times, on ``--ranks`` processes of one 
 
 * ``all_reduce``: DDP's one collective;
 * ``reduce_scatter``: gloo's reduce-scatter (``reduce_scatter_tensor``);
-* ``a2a_reduce``: what pyasync runs, an all-to-all of the n chunks, then their sum in rank order
+* ``a2a_reduce``: pyasync's reduce, an all-to-all of the n chunks, then their sum in rank order
   (Note [Reduce by all-to-all] in pyasync/engine/reduce.py);
 * ``all_gather``: gloo's all-gather of one shard per rank (``all_gather_into_tensor``);
 * ``a2a_gather``: an all-to-all of n copies of the shard;
 * ``p2p_reduce`` / ``p2p_gather``: the same exchanges as point-to-point ``isend``/``irecv`` of the
-  chunks (no copies on the sending side), what pyasync runs (Note [Reduce by all-to-all]).
+  chunks (no copies on the sending side); ``p2p_gather`` is pyasync's gather.
 
 Every op runs ``--warmup`` times, then ``--iters`` times between two barriers: the figure is rank 0's
 wall time per call and its process CPU time per call (all threads: gloo's included). Ops are

@@ -34,8 +34,8 @@ namespace pyasync {
 // time with a multiply. The shared formulas avoid ?: around divisions and multiplies (gcc will not
 // if-convert a possibly trapping operation it sank into a branch). That is not enough on its own: the
 // residual's select and the int8 clamp still vectorise under the default -ftrapping-math only with
-// AVX-512's masked operations. On an AVX2 machine they ran scalar (int8/sign encode 5-7x and the Adam
-// apply 3-4x slower, bench/results/kernels_cpu_avx2.json), so the build passes -fno-trapping-math
+// AVX-512's masked operations. On an AVX2 machine they ran scalar (int8/sign encode 4-7x and the Adam
+// apply 3-6x slower, bench/results/kernels_cpu_avx2_ab.json), so the build passes -fno-trapping-math
 // (CMakeLists.txt), which changes no value; -ffp-contract=off keeps every result bit-identical to the
 // scalar formula, and the exact-code tests hold it to the torch reference.
 // Small inputs run on one thread (an OpenMP fork costs more than the work).

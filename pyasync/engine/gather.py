@@ -68,9 +68,11 @@ class StepGather:
         ``mine`` to every other rank: no copies of it on the sending side, and on gloo less time than
         an all-to-all of n copies or ``all_gather_into_tensor`` (Note [Reduce by all-to-all] in
         engine/reduce.py). ``tag`` tells this bucket's messages from another's in flight. Returns the
-        works to wait on."""
+        works to wait on (none on one rank)."""
         rows = out.view(self.n, -1)
         rows[self.rank].copy_(mine)
+        if self.n == 1:
+            return []
         ops = []
         for i in range(1, self.n):
             dst, src = (self.rank + i) % self.n, (self.rank - i) % self.n
@@ -104,11 +106,7 @@ class StepGather:
                 self._encode_delta(b, t, own, mine[:width])
             mine[width:].copy_(torch.tensor([float(self.seen_active)], dtype=torch.float64).view(torch.uint8))
             self.st.bytes_sent += width * (self.n - 1)
-            if self.n > 1:
-                works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
-            else:
-                out.copy_(mine)
-                works.append((b, out, []))
+            works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
         with torch.no_grad():
             for b, out, pending in works:
                 for work in pending:
@@ -181,11 +179,7 @@ class StepGather:
                 mine[: own.state.master.numel()].copy_(own.state.master)
             mine[width] = float(self.seen_active)
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
-            if self.n > 1:
-                works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
-            else:
-                out.copy_(mine)
-                works.append((b, out, []))
+            works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
         with torch.no_grad():
             for b, out, pending in works:
                 for work in pending:
