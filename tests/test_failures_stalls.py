@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -218,6 +219,47 @@ def test_a_stopped_rank_under_bsp_on_collectives_is_named_and_told():
     err = res[victim]["error"]
     assert err is not None and err["type"] == "PeerFailure" and set(err["ranks"]) <= {0, 1}, res[victim]
     assert f"[{victim}]" in err["msg"], err  # what the others stopped for: this rank
+
+
+def _stopped_then_leave(rank, world, victim, late, pid):
+    """BSP on collectives; the victim SIGSTOPs itself before step STOP_AT, and every survivor ends as
+    soon as its step failed: rank 0's process, which hosts the job's store, included. Rank ``late``
+    reaches the step 2 s after the others (a slower rank), so its roll call through the store ends after
+    rank 0's; once it has its error it SIGKILLs the victim, which never resumes."""
+    model, opt = make("bsp", world, SHORT)
+    for t in range(STOP_AT):
+        train_step(model, opt, rank, t)
+    if rank == victim:
+        pid.value = os.getpid()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == late:
+        time.sleep(2.0)  # the injected fault: this rank is slower, not a stand-in for synchronisation
+    err = None
+    try:
+        train_step(model, opt, rank, STOP_AT)
+    except Exception as e:
+        err = describe(e)
+    if rank == late:
+        assert wait_state(value_of(pid), "T", 60) == "T", "the victim is not stopped"
+        os.kill(pid.value, signal.SIGKILL)
+    return err
+
+
+def test_a_stopped_rank_is_named_by_survivors_that_leave_at_once():
+    """Every survivor names the stopped rank, also the one whose roll call ends after rank 0 (the store's
+    host) has its answer and leaves: a roll call waits until every rank that answered has read it."""
+    world, victim, late = 4, 1, 3
+    res = run_workers(
+        _stopped_then_leave,
+        world,
+        args=(victim, late, ctx().Value("i", 0)),
+        timeout=HARNESS_S,
+        may_die=[victim],
+    )
+    for r in (0, 2, late):
+        err = res[r]
+        assert err is not None and err["type"] == "PeerFailure" and err["ranks"] == (victim,), (r, err)
+        assert f"step {STOP_AT}" in err["msg"], (r, err)
 
 
 ASP_STEPS = 50  # steps the others take while one rank is stopped

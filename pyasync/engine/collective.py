@@ -26,8 +26,10 @@ Note [BSP on collectives]
       sends of the shard to every rank, engine/gather.py) installs them on every rank, so replicas are
       equal after every step.
 
-    The gradient is read from ``.grad`` in ``step()``, so what the caller leaves there is what is
-    reduced (Note [What step() pushes]).
+    Each bucket's reduce is launched from the backward hooks, as DDP's all-reduce is, and what the
+    caller leaves in ``.grad`` when ``step()`` is called is still what is reduced: a bucket edited after
+    its hook on any rank is reduced again by every rank (Note [Reduces launched from backward] in
+    engine/overlap.py).
 
 Note [Joining]
     The contract of close() holds under BSP too: a rank may stop early, and its close() returns once
@@ -58,7 +60,7 @@ from pyasync.engine.capture import Capture, check_grads
 from pyasync.engine.failures import EngineBase
 from pyasync.engine.gather import StepGather
 from pyasync.engine.meet import collective_failure, roll_call
-from pyasync.engine.reduce import StepReduce
+from pyasync.engine.overlap import StepOverlap
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import BucketLayout
 from pyasync.engine.stats import Stats
@@ -105,7 +107,7 @@ _RESUME = (
 )
 
 
-class CollectiveEngine(StepReduce, StepGather, EngineBase):
+class CollectiveEngine(StepOverlap, StepGather, EngineBase):
     """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
 
     def __init__(
@@ -151,8 +153,9 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
             for b in masters
         }
         self.shards = ShardAccess(_Here(self.owned), rule, layouts, params, rank, timeout, self._require_open)
-        self.capture = Capture(params, layouts, self.cond, lambda b: None)  # no_sync(); nothing early
+        self.capture = Capture(params, layouts, self.cond, self._hand_over)
         self._plan()
+        self._init_overlap()
         self._init_replies()
         self.shards.written = self._touched  # a load changed the parameters: read the replica again
 
@@ -215,10 +218,7 @@ class CollectiveEngine(StepReduce, StepGather, EngineBase):
         t = self.clock
         self.seen_active = -1
         self.rounds += 1  # the same sequence on every rank, stepping or joining (roll-call tags)
-        if self.codec == "none":
-            means = self._reduce_dense(scale, skip, t, active)
-        else:
-            means = self._reduce_encoded(scale, skip, t, active)
+        means = self._reduce(scale, skip, t, active)
         if self.max_grad_norm is not None:
             self._clip(means)
         for b, (values, mask, applied) in means.items():

@@ -6,6 +6,8 @@ shard, the has-grad mask of its segments, how many ranks' pushes were finite).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,17 @@ from pyasync.ops import bucketing as ops_bucketing
 from pyasync.ops import codecs as ops_codecs
 
 __all__ = ["StepReduce"]
+
+
+@dataclass
+class _Launch:
+    """One bucket's reduce in flight: where its all-to-all lands, the work to wait on (None on one
+    rank), and whether this rank's push of it was not finite (recorded once the reduce is final)."""
+
+    b: int
+    out: torch.Tensor
+    work: object
+    nonfinite: bool
 
 
 class StepReduce:
@@ -82,173 +95,186 @@ class StepReduce:
             out.append(None if g is None else dense(g))
         return out
 
-    def _reduce_dense(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
-        """Uncompressed: per bucket, the all-to-all of chunks (values x scale / n, then extras) and their
-        sum in rank order (Note [Reduce by all-to-all]). A rank that closed (``active`` False) joins with
-        zeros and no gradient (Note [Joining])."""
-        works = []
-        for b, lay in enumerate(self.layouts):
-            buf, rows = self.rs_buf[b], self.chunks[b]
-            grads = self._grads(b) if active else [None] * len(lay.params)
-            if not active:
-                buf.zero_()
-            srcs, offs, lens = [], [], []
-            for (off, _, _), sh in zip(rows, lay.shards):
-                for seg in sh.segments:
-                    g = grads[seg.slot]
-                    srcs.append(
-                        None
-                        if g is None
-                        else g.view(-1)[seg.param_begin : seg.param_begin + seg.end - seg.begin]
-                    )
-                    offs.append(off + seg.begin)
-                    lens.append(seg.end - seg.begin)
-            flag = torch.zeros(1, dtype=torch.int32)
-            if srcs:
-                ops_bucketing.flatten(srcs, buf, offs, numels=lens, scale=scale / self.n, nonfinite=flag)
-            bad_bucket = bool(flag[0]) or skip
-            for _r, ((off, numel, extras), sh) in enumerate(zip(rows, lay.shards)):
-                chunk = buf[off : off + numel]
-                bad = skip or (bad_bucket and not bool(torch.isfinite(chunk).all()))
-                if bad:
-                    chunk.zero_()  # counts as zeros in the mean, as in the point-to-point BSP
-                    if not skip:
-                        self._on_nonfinite(b, t)
-                ex = buf[off + numel : off + numel + extras]
-                ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
-                ex[-3] = float(bad)
-                ex[-2] = float(active)
-                ex[-1] = float(t if active else 0)
-            stride = self.stride[b]
-            self.st.bytes_sent += 4 * stride * (self.n - 1)  # what leaves this rank
-            if self.n > 1:
-                out = self.rs_recv[b]
-                w = self._collective(
-                    "the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True
-                )
-            else:
-                out, w = buf, None
-            works.append((b, out, w))
-        means = {}
-        for b, out, work in works:
-            if work is not None:
-                self._wait(work, "the gradient all-to-all")
-            numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
-            if numel == 0:
-                continue
-            # Rank r's chunk of this shard is row r: summed in rank order, ((row 0 + row 1) + row 2) + ...
-            rows = out.view(self.n, self.stride[b])[:, : numel + extras]
-            total = self.rs_sum[b]
-            if self.n > 1:
-                torch.add(rows[0], rows[1], out=total)
-            else:
-                total.copy_(rows[0])
-            for r in range(2, self.n):
-                total.add_(rows[r])
-            ex = total[numel:]
-            stepping = round(float(ex[-2]))
-            if active and round(float(ex[-1])) != stepping * t:
-                err = ProtocolError(
-                    f"pyasync: the ranks are not on the same step (this is step {t}, the clocks of the "
-                    f"{stepping} stepping ranks sum to {float(ex[-1]):g}); under BSP every rank steps "
-                    "together (a rank that stops early calls close())"
-                )
-                self._sticky(err)
-                raise err
-            bad = round(float(ex[-3]))
-            mask = [bool(x > 0) for x in ex[: extras - 3].tolist()]
-            self._count(b, bad, stepping)
-            self.seen_active = stepping
-            means[b] = (total[:numel], mask, stepping - bad)
-        return means
+    # -- one bucket's reduce: launch, then finish ----------------------------------------------------
+    def _launch(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+        """Fill bucket b's send buffer from ``.grad`` and start its all-to-all (async)."""
+        if self.codec == "none":
+            return self._launch_dense(b, scale, skip, t, active)
+        return self._launch_encoded(b, scale, skip, t, active)
 
-    def _reduce_encoded(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
-        """Compressed: per bucket, every slice encoded into a push frame, an all-to-all, then this rank's
-        frames decoded and summed in rank order. A rank that closed sends FINAL frames of zeros with
-        no gradient, encoded without touching its residuals (Note [Joining])."""
-        means = {}
-        for b, lay in enumerate(self.layouts):
-            flat = self.enc_flat[b]
-            grads = self._grads(b) if active else [None] * len(lay.params)
-            has = [g is not None for g in grads]
-            if lay.numel and active:  # every element of the bucket: None grads as zeros
-                ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
-            elif lay.numel:
-                flat.zero_()
-            sizes = self.frames[b]
-            send = self.enc_send[b]  # every frame is written whole (header, mask, payload) each step
-            off = 0
-            for r, sh in enumerate(lay.shards):
-                if sh.numel == 0:
-                    continue
-                codec, block, k = self.comp.wire_params(sh.numel)
-                fr = send[off : off + sizes[r]]
-                out, mask_v, body = wire.push_views(fr, codec, sh.numel, block, k, len(sh.segments))
-                if active:
-                    payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
-                else:
-                    payload = self.comp.encode_once(flat[sh.begin : sh.end], out=out)
-                self.raw_bytes += 4 * sh.numel
-                self.enc_bytes += payload.nbytes
-                if skip and active:
-                    self.comp.undo((b, r))
-                elif not payload.finite:
-                    self._on_nonfinite(b, t)
-                mask_v.copy_(torch.tensor([has[s] for s in sh.slots], dtype=torch.uint8))
-                h = wire.Header(
-                    kind=wire.PUSH,
-                    sender=self.rank,
-                    clock=t,
-                    version=self.owned_version(b, r),
-                    bucket=b,
-                    shard=r,
-                    codec=wire.CODEC_IDS[codec],
-                    numel=sh.numel,
-                    nbytes=0,
-                    k=k,
-                    block=block,
-                    flags=(wire.FLAG_FINITE if payload.finite and not skip else 0)
-                    | (0 if active else wire.FLAG_FINAL),
-                    count=len(sh.segments),
+    def _finish(self, la: _Launch, t: int, active: bool) -> tuple | None:
+        """Wait for a launched all-to-all and sum this rank's shard in rank order: (mean, mask, finite
+        pushes), or None when this rank's shard of the bucket is empty."""
+        if la.work is not None:
+            self._wait(la.work, "the gradient all-to-all")
+        if la.nonfinite:
+            self._on_nonfinite(la.b, t)
+        if self.codec == "none":
+            return self._sum_dense(la.b, la.out, t, active)
+        return self._sum_encoded(la.b, la.out, t, active)
+
+    def _launch_dense(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+        """Uncompressed: the chunks (values x scale / n, then extras) and their all-to-all (Note [Reduce
+        by all-to-all]). A rank that closed (``active`` False) joins with zeros and no gradient (Note
+        [Joining])."""
+        lay = self.layouts[b]
+        buf, rows = self.rs_buf[b], self.chunks[b]
+        grads = self._grads(b) if active else [None] * len(lay.params)
+        if not active:
+            buf.zero_()
+        srcs, offs, lens = [], [], []
+        for (off, _, _), sh in zip(rows, lay.shards):
+            for seg in sh.segments:
+                g = grads[seg.slot]
+                srcs.append(
+                    None if g is None else g.view(-1)[seg.param_begin : seg.param_begin + seg.end - seg.begin]
                 )
-                wire.seal(fr, h, body)
-                off += sizes[r]
-            mine = sizes[self.rank]
-            self.st.bytes_sent += sum(sizes) - mine
-            recv = self.enc_recv[b]
-            if self.n > 1:
-                self._collective(
-                    "the push all-to-all",
-                    dist.all_to_all_single,
-                    recv,
-                    send,
-                    output_split_sizes=[mine] * self.n,
-                    input_split_sizes=sizes,
-                )
-            else:
-                recv.copy_(send)
-            sh = lay.shards[self.rank]
+                offs.append(off + seg.begin)
+                lens.append(seg.end - seg.begin)
+        flag = torch.zeros(1, dtype=torch.int32)
+        if srcs:
+            ops_bucketing.flatten(srcs, buf, offs, numels=lens, scale=scale / self.n, nonfinite=flag)
+        bad_bucket = bool(flag[0]) or skip
+        nonfinite = False
+        for (off, numel, extras), sh in zip(rows, lay.shards):
+            chunk = buf[off : off + numel]
+            bad = skip or (bad_bucket and not bool(torch.isfinite(chunk).all()))
+            if bad:
+                chunk.zero_()  # counts as zeros in the mean, as in the point-to-point BSP
+                nonfinite = nonfinite or not skip
+            ex = buf[off + numel : off + numel + extras]
+            ex[: len(sh.segments)] = torch.tensor([float(grads[s.slot] is not None) for s in sh.segments])
+            ex[-3] = float(bad)
+            ex[-2] = float(active)
+            ex[-1] = float(t if active else 0)
+        self.st.bytes_sent += 4 * self.stride[b] * (self.n - 1)  # what leaves this rank
+        if self.n == 1:
+            return _Launch(b, buf, None, nonfinite)
+        out = self.rs_recv[b]
+        work = self._collective("the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True)
+        return _Launch(b, out, work, nonfinite)
+
+    def _sum_dense(self, b: int, out: torch.Tensor, t: int, active: bool) -> tuple | None:
+        numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
+        if numel == 0:
+            return None
+        # Rank r's chunk of this shard is row r: summed in rank order, ((row 0 + row 1) + row 2) + ...
+        rows = out.view(self.n, self.stride[b])[:, : numel + extras]
+        total = self.rs_sum[b]
+        if self.n > 1:
+            torch.add(rows[0], rows[1], out=total)
+        else:
+            total.copy_(rows[0])
+        for r in range(2, self.n):
+            total.add_(rows[r])
+        ex = total[numel:]
+        stepping = round(float(ex[-2]))
+        if active and round(float(ex[-1])) != stepping * t:
+            err = ProtocolError(
+                f"pyasync: the ranks are not on the same step (this is step {t}, the clocks of the "
+                f"{stepping} stepping ranks sum to {float(ex[-1]):g}); under BSP every rank steps "
+                "together (a rank that stops early calls close())"
+            )
+            self._sticky(err)
+            raise err
+        bad = round(float(ex[-3]))
+        mask = [bool(x > 0) for x in ex[: extras - 3].tolist()]
+        self._count(b, bad, stepping)
+        self.seen_active = stepping
+        return total[:numel], mask, stepping - bad
+
+    def _launch_encoded(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+        """Compressed: every slice of the bucket encoded into a push frame (error feedback), then the
+        frames' all-to-all. A rank that closed sends FINAL frames of zeros with no gradient, encoded
+        without touching its residuals (Note [Joining])."""
+        lay = self.layouts[b]
+        flat = self.enc_flat[b]
+        grads = self._grads(b) if active else [None] * len(lay.params)
+        has = [g is not None for g in grads]
+        if lay.numel and active:  # every element of the bucket: None grads as zeros
+            ops_bucketing.flatten(grads, flat, lay.offsets, numels=lay.numels, scale=scale)
+        elif lay.numel:
+            flat.zero_()
+        sizes = self.frames[b]
+        send = self.enc_send[b]  # every frame is written whole (header, mask, payload) each step
+        off = 0
+        nonfinite = False
+        for r, sh in enumerate(lay.shards):
             if sh.numel == 0:
                 continue
-            agg = self.enc_agg[b].zero_()
-            mask = [False] * len(sh.segments)
-            bad = stepping = 0
-            for w in range(self.n):  # rank order: the sum does not depend on arrival
-                frame = recv[w * mine : (w + 1) * mine]
-                h = wire.frame_header(frame, w)
-                self.spec.check_push(h, final_ok=True)
-                if h.final:
-                    continue  # rank w closed and joins this step with nothing to push
-                stepping += 1
-                if active and h.clock != t:
-                    raise ProtocolError(f"PUSH from rank {w} carries step {h.clock}, this is step {t}")
-                payload, m = wire.unpack_push(wire.frame_body(frame, h), h)
-                if not payload.finite:
-                    bad += 1
-                    continue
-                ops_codecs.decode(payload, out=agg, alpha=1.0 / self.n, accumulate=True, validate=False)
-                mask = [a or bool(x) for a, x in zip(mask, m.tolist())]
-            self._count(b, bad, stepping)
-            self.seen_active = stepping
-            means[b] = (agg, mask, stepping - bad)
-        return means
+            codec, block, k = self.comp.wire_params(sh.numel)
+            fr = send[off : off + sizes[r]]
+            out, mask_v, body = wire.push_views(fr, codec, sh.numel, block, k, len(sh.segments))
+            if active:
+                payload = self.comp.compress(flat[sh.begin : sh.end], key=(b, r), out=out)
+            else:
+                payload = self.comp.encode_once(flat[sh.begin : sh.end], out=out)
+            self.raw_bytes += 4 * sh.numel
+            self.enc_bytes += payload.nbytes
+            if skip and active:
+                self.comp.undo((b, r))
+            elif not payload.finite:
+                nonfinite = True
+            mask_v.copy_(torch.tensor([has[s] for s in sh.slots], dtype=torch.uint8))
+            h = wire.Header(
+                kind=wire.PUSH,
+                sender=self.rank,
+                clock=t,
+                version=self.owned_version(b, r),
+                bucket=b,
+                shard=r,
+                codec=wire.CODEC_IDS[codec],
+                numel=sh.numel,
+                nbytes=0,
+                k=k,
+                block=block,
+                flags=(wire.FLAG_FINITE if payload.finite and not skip else 0)
+                | (0 if active else wire.FLAG_FINAL),
+                count=len(sh.segments),
+            )
+            wire.seal(fr, h, body)
+            off += sizes[r]
+        mine = sizes[self.rank]
+        self.st.bytes_sent += sum(sizes) - mine
+        recv = self.enc_recv[b]
+        if self.n == 1:
+            recv.copy_(send)
+            return _Launch(b, recv, None, nonfinite)
+        work = self._collective(
+            "the push all-to-all",
+            dist.all_to_all_single,
+            recv,
+            send,
+            output_split_sizes=[mine] * self.n,
+            input_split_sizes=sizes,
+            async_op=True,
+        )
+        return _Launch(b, recv, work, nonfinite)
+
+    def _sum_encoded(self, b: int, recv: torch.Tensor, t: int, active: bool) -> tuple | None:
+        """This rank's n frames of bucket b, checked, decoded and summed in rank order (x 1/n)."""
+        sh = self.layouts[b].shards[self.rank]
+        if sh.numel == 0:
+            return None
+        mine = self.frames[b][self.rank]
+        agg = self.enc_agg[b].zero_()
+        mask = [False] * len(sh.segments)
+        bad = stepping = 0
+        for w in range(self.n):  # rank order: the sum does not depend on arrival
+            frame = recv[w * mine : (w + 1) * mine]
+            h = wire.frame_header(frame, w)
+            self.spec.check_push(h, final_ok=True)
+            if h.final:
+                continue  # rank w closed and joins this step with nothing to push
+            stepping += 1
+            if active and h.clock != t:
+                raise ProtocolError(f"PUSH from rank {w} carries step {h.clock}, this is step {t}")
+            payload, m = wire.unpack_push(wire.frame_body(frame, h), h)
+            if not payload.finite:
+                bad += 1
+                continue
+            ops_codecs.decode(payload, out=agg, alpha=1.0 / self.n, accumulate=True, validate=False)
+            mask = [a or bool(x) for a, x in zip(mask, m.tolist())]
+        self._count(b, bad, stepping)
+        self.seen_active = stepping
+        return agg, mask, stepping - bad

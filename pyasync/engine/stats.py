@@ -26,6 +26,10 @@ class Stats:
         mean gradient's, as DDP + clip_grad_norm_; otherwise this worker's push); None without.
     buckets_reencoded: buckets encoded again in step() because their gradients changed after backward
         (or were unscaled or clipped there); see Note [What step() pushes].
+        Under BSP on collectives: buckets whose reduce ran again in step() for that reason, on any rank
+        (Note [Reduces launched from backward]).
+    buckets_early: under BSP on collectives, buckets whose reduce this rank launched from the backward
+        hooks (the rest launched in step()).
     intake_peak: most received pushes this rank's owner held at once (bounded, Note [Bounded intake]).
     epoch / members: the membership epoch and its ranks (global ranks; elastic=True, see
         pyasync/membership.py); epochs: every membership change this rank went through (lost ranks,
@@ -48,6 +52,7 @@ class Stats:
     updates_applied: int = 0
     grad_norm: float | None = None
     buckets_reencoded: int = 0
+    buckets_early: int = 0
     intake_peak: int = 0
     epoch: int = 0
     members: list[int] = field(default_factory=list)
