@@ -111,7 +111,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             each worker's push is clipped to it. ``stats().grad_norm`` is the norm before clipping.
         grad_edits: "detect" (default): the gradient pushed for a step is exactly what ``.grad`` holds
             when ``step()`` is called; buckets are encoded while backward runs and sent by ``step()``,
-            and a bucket edited in between is encoded again there (see docs/reliability.md). "forbid":
+            and a bucket edited in between is encoded again there (see docs/reliability.md). Under BSP
+            on collectives each bucket's reduce is launched while backward runs, and a bucket edited
+            after it on any rank is reduced again by every rank. "forbid":
             buckets are sent while backward runs (more overlap on models of many buckets); an edit
             after backward() makes step() raise (the step is lost), as does a GradScaler.
 
