@@ -56,17 +56,23 @@ def _expected(world, edit):
     return out
 
 
+def _run_ledger(codec, edit):
+    """Every rank's (parameters, buckets launched from hooks, buckets reduced again), each parameter
+    checked against the mean gradient of every step (with the edit)."""
+    world = 3
+    res = run_workers(_ledger, world, args=(codec, edit), timeout=120)
+    for rank, (ps, _early, _again, err) in enumerate(res):
+        assert err is None, err
+        for i, (got, want) in enumerate(zip(ps, _expected(world, edit))):
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), f"rank {rank}, parameter {i}: {got}"
+    return [(early, again) for _ps, early, again, _err in res]
+
+
 @pytest.mark.parametrize("codec", ["none", "fp16", "topk:0.5"])
 def test_reduces_launch_from_the_hooks_and_equal_the_mean(codec):
-    world = 3
-    for rank, (ps, early, again, err) in enumerate(
-        run_workers(_ledger, world, args=(codec, None), timeout=120)
-    ):
-        assert err is None, err
-        for i, (got, want) in enumerate(zip(ps, _expected(world, None))):
-            assert torch.allclose(got, want, rtol=0, atol=1e-6), f"rank {rank}, parameter {i}: {got}"
-        # Every bucket of every step was launched inside backward(), none reduced twice.
-        assert (early, again) == (STEPS * PARAMS, 0), (rank, early, again)
+    # Every bucket of every step was launched inside backward(), none reduced twice.
+    for rank, counts in enumerate(_run_ledger(codec, None)):
+        assert counts == (STEPS * PARAMS, 0), (rank, counts)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "topk:0.5"])
@@ -74,13 +80,7 @@ def test_an_edit_on_one_rank_is_reduced_again_by_every_rank(codec):
     """Rank 1 scales one bucket after its hook launched that bucket's reduce: the step applies the
     edited gradient, on every rank (rank 0 and 2, which edited nothing, reduce the bucket again too),
     and the hooks then launch nothing for the rounds of the back-off."""
-    world = 3
-    for rank, (ps, early, again, err) in enumerate(
-        run_workers(_ledger, world, args=(codec, EDIT), timeout=120)
-    ):
-        assert err is None, err
-        for i, (got, want) in enumerate(zip(ps, _expected(world, EDIT))):
-            assert torch.allclose(got, want, rtol=0, atol=1e-6), f"rank {rank}, parameter {i}: {got}"
+    for rank, (early, again) in enumerate(_run_ledger(codec, EDIT)):
         assert again == 1, f"rank {rank}: {again} buckets reduced again, expected the edited one"
         assert early == (EDIT[0] + 1) * PARAMS, f"rank {rank}: {early} buckets launched from hooks"
 

@@ -28,7 +28,7 @@ import torch
 
 from pyasync.engine.shards import BucketLayout
 
-__all__ = ["Capture", "check_grads", "dense", "grad_problem", "grad_stamp"]
+__all__ = ["Capture", "check_grads", "dense", "forbid_error", "grad_problem", "grad_stamp"]
 
 
 def grad_problem(p: torch.Tensor, g: torch.Tensor | None, name: str) -> Exception | None:
@@ -57,6 +57,17 @@ def check_grads(params: list[torch.Tensor], names: list[str]) -> None:
         err = grad_problem(p, p.grad, names[i])
         if err is not None:
             raise err
+
+
+def forbid_error(names: list[str], layouts: list[BucketLayout], buckets: list[int], what: str) -> Exception:
+    """What step() raises under grad_edits="forbid" when ``buckets`` changed after backward() (or a
+    GradScaler is in use): the engine already ``what`` (sent them, reduced them) while backward ran."""
+    shown = sorted({names[p] for b in buckets for p in layouts[b].params})[:8]
+    return RuntimeError(
+        f"pyasync: gradients changed after backward() (parameters {shown}) or a GradScaler is in use, but "
+        f"grad_edits='forbid' {what} while backward ran; the step is lost. Use grad_edits='detect' (the "
+        "default) to edit gradients between backward() and step()"
+    )
 
 
 def dense(g: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from pyasync.engine import wire
 from pyasync.engine.access import ShardAccess, initial_masters
-from pyasync.engine.capture import Capture, check_grads, dense
+from pyasync.engine.capture import Capture, check_grads, dense, forbid_error
 from pyasync.engine.clip import MeanClip
 from pyasync.engine.clock import wait_until
 from pyasync.engine.failures import EngineBase
@@ -232,13 +232,7 @@ class Engine(Lifecycle, EngineBase):
             self.capture.flush()
         changed = self.capture.changed()
         if self.grad_edits == "forbid" and (changed or grad_scale is not None or found_inf):
-            names = sorted({self.names[p] for b in changed for p in self.layouts[b].params})[:8]
-            err = RuntimeError(
-                f"pyasync: gradients changed after backward() (parameters {names}) or a GradScaler is in "
-                "use, "
-                "but grad_edits='forbid' sent them while backward ran; the step is lost. Use "
-                "grad_edits='detect' (the default) to edit gradients between backward() and step()"
-            )
+            err = forbid_error(self.names, self.layouts, changed, "sent them")
             self._sticky(err)
             raise err
         regrab = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pyasync.engine.capture import forbid_error
 from pyasync.engine.reduce import StepReduce, _Launch
 
 __all__ = ["StepOverlap"]
@@ -111,13 +112,7 @@ class StepOverlap(StepReduce):
         stale = sorted(early) if scale != 1.0 or skip else sorted(changed)
         if self.grad_edits == "forbid":
             if stale:
-                names = sorted({self.names[p] for b in stale for p in self.layouts[b].params})[:8]
-                err = RuntimeError(
-                    f"pyasync: gradients changed after backward() (parameters {names}) or a GradScaler "
-                    "is in use, but grad_edits='forbid' reduced them while backward ran; the step is "
-                    "lost. Use grad_edits='detect' (the default) to edit gradients between backward() "
-                    "and step()"
-                )
+                err = forbid_error(self.names, self.layouts, stale, "reduced them")
                 self._sticky(err)
                 raise err
             return []
