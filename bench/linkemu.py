@@ -96,18 +96,23 @@ class Link:
 def steps_behind_link(opt, link: Link, sleep: Callable[[float], None] = time.sleep) -> None:
     """Put the collectives of BSP on collectives behind ``link``: they run on gloo inside ``step()``,
     not through the transport, so ``ThrottledTransport`` never sees them. Each ``opt.step()`` then
-    returns no earlier than the bytes it sent (the growth of ``opt.stats().bytes_sent``: the reduce's and
-    the gather's) would have left the link, counted from when step() was called.
+    returns no earlier than the bytes of this step (the growth of ``opt.stats().bytes_sent`` since the
+    previous step returned: the reduce's, launched from the backward hooks before ``step()`` was called,
+    and the gather's) would have left the link, counted from when step() was called.
 
-    Optimistic by what separates the two collectives (the owner's update): a real link would send the
+    Pessimistic for the reduces the hooks launched during backward (a real link would have started them
+    then; on a model of one bucket that is the end of backward, about when step() is called), and
+    optimistic by what separates the two collectives (the owner's update): a real link would send the
     gather's bytes only after the reduce's had arrived and the shard was updated."""
     inner = opt.step
+    last = [opt.stats().bytes_sent]  # bytes sent when the previous step returned
 
     def step(*args, **kwargs):
         t0 = link._clock()
-        before = opt.stats().bytes_sent
         out = inner(*args, **kwargs)
-        done = link.reserve(int(opt.stats().bytes_sent - before), since=t0)
+        now = opt.stats().bytes_sent
+        done = link.reserve(int(now - last[0]), since=t0)
+        last[0] = now
         left = done - link._clock()
         if left > 0:
             sleep(left)
