@@ -62,7 +62,8 @@ def test_reserve_since_counts_from_when_the_bytes_were_ready():
 
 
 def test_steps_behind_link_charges_each_steps_bytes():
-    """BSP on collectives: step() returns once the bytes it sent would have left the link."""
+    """BSP on collectives: step() returns once the bytes of its step would have left the link, those
+    sent before it was called (the reduces the backward hooks launched) included."""
     clock = FakeClock()
     link = Link(1.0, clock=clock)
     slept = []
@@ -85,10 +86,14 @@ def test_steps_behind_link_charges_each_steps_bytes():
     clock.now = 5.0  # a long compute phase: the link is idle again
     opt.step()
     assert slept[-1] == pytest.approx(0.75) and clock.now == pytest.approx(6.0)
+    opt.sent += 125_000_000  # a reduce launched from the backward hooks, before step() is called
+    clock.now = 10.0
+    opt.step()
+    assert slept[-1] == pytest.approx(1.75) and clock.now == pytest.approx(12.0)  # both steps' bytes
     fast = Opt()
     steps_behind_link(fast, Link(1e9, clock=clock), sleep=slept.append)
     fast.step()
-    assert len(slept) == 2  # wire time shorter than the step itself: no wait
+    assert len(slept) == 3  # wire time shorter than the step itself: no wait
 
 
 @pytest.mark.parametrize("gbps", [0, -1.0, float("nan"), float("inf"), True, "1"])
