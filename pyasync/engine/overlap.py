@@ -52,9 +52,7 @@ class StepOverlap(StepReduce):
     def _init_overlap(self) -> None:
         self.early: dict[int, _Launch] = {}  # buckets launched from hooks this step: 0, 1, ..., k-1
         self.early_ready: set[int] = set()  # handed over by the hooks, not launched yet
-        self.early_next = 0  # the next bucket to launch: launches go in bucket order
         self.early_off = 0  # rounds left without hook launches (_BACKOFF)
-        self.early_armed = self._may_launch_early()
         self.st.buckets_early = 0
 
     def _may_launch_early(self) -> bool:
@@ -63,24 +61,23 @@ class StepOverlap(StepReduce):
     def _hand_over(self, b: int) -> None:
         """Capture's hook: bucket b's gradients are all in (called in backward, cond held). Launch every
         ready bucket in bucket order."""
-        if not self.early_armed or self.closed or self.error is not None:
+        if not self._may_launch_early() or self.closed or self.error is not None:
             return
         self.early_ready.add(b)
-        while self.early_next in self.early_ready:
-            nb = self.early_next
+        while len(self.early) in self.early_ready:  # the next bucket in bucket order is ready
+            nb = len(self.early)
             try:
                 self.early[nb] = self._launch(nb, 1.0, False, self.clock, True)
             except Exception as e:  # not raised inside backward(): step() raises it
                 self._sticky(e)
                 return
-            self.early_next += 1
             self.st.buckets_early += 1
 
     def _reduce(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
         """Per bucket this rank owns: (mean gradient of its shard, has-grad mask, finite pushes)."""
-        armed = self.early_armed
+        armed = self._may_launch_early()  # as it was for this step's hooks: early_off changes only here
         launches, early = dict(self.early), set(self.early)
-        self.early, self.early_ready, self.early_next = {}, set(), 0
+        self.early, self.early_ready = {}, set()
         for b in range(len(self.layouts)):
             if b not in launches:
                 launches[b] = self._launch(b, scale, skip, t, active)
@@ -98,7 +95,6 @@ class StepOverlap(StepReduce):
             self.early_off = _BACKOFF if again else 0
         else:
             self.early_off = max(0, self.early_off - 1)
-        self.early_armed = self._may_launch_early()
         means = {}
         for b in range(len(self.layouts)):
             m = self._finish(launches[b], t, active)
