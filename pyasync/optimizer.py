@@ -70,14 +70,17 @@ def _tell_peers(process_group, timeout, e: BaseException) -> None:
             join(process_group, timeout, "the construction of the DistributedOptimizer", failed=e)
 
 
-def _abandon(engine: Engine, control) -> None:
-    """The optimizer went away (or the interpreter exits) without close(): stop the engine's threads."""
+def _abandon(
+    engine: Engine,
+    control,
+    why: str = "it left without close() (its DistributedOptimizer was dropped, or the interpreter exited)",
+) -> None:
+    """The optimizer went away (or the interpreter exits) without close(), or its membership change
+    failed: stop the engine's threads."""
     if not engine.closed:
         engine.closed = True
         engine.capture.remove()
-        engine.abort(
-            "it left without close() (its DistributedOptimizer was dropped, or the interpreter exited)"
-        )
+        engine.abort(why)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -181,6 +184,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer, transport)
             self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (pyasync/membership.py)
+            self._epoch_failure: BaseException | None = None  # a membership change that failed (raised)
             self._last_checkpoint: tuple[str, int] | None = None  # (directory, epoch) of the last save
             self._group = process_group
             self._rank = dist.get_rank(process_group)
@@ -327,8 +331,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _destroy(old_control)
 
     def _agreement_items(self, groups: list[int]) -> dict[str, list[str]]:
-        """What every rank must describe identically (see engine/agree.py)."""
+        """What every rank must describe identically (see engine/agree.py). The requires_grad flags come
+        first: a parameter frozen on one rank only would otherwise show as a shape difference (the
+        trainable lists shift)."""
         return {
+            "requires_grad flags": [
+                f"param_groups[{gi}][{j}] shape={tuple(p.shape)} requires_grad={p.requires_grad}"
+                for gi, g in enumerate(self.param_groups)
+                for j, p in enumerate(g["params"])
+            ],
             "parameters": [
                 f"{i} {self._names[i]} shape={tuple(p.shape)} dtype={p.dtype} group={groups[i]}"
                 for i, p in enumerate(self._params)
@@ -385,7 +396,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _follow_membership(self) -> None:
         """Elastic: ranks left; the survivors move to the next membership epoch (pyasync/membership.py)."""
         while self._engine is not None and getattr(self._engine, "lost", None) and not self._engine.closed:
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        """One membership change. One that fails (this rank was dropped, the store or a member is gone)
+        is final: it raised to the caller, the old engine is stopped, and close() stops what is left
+        without starting another change (which would read the stopped engine's shards)."""
+        if self._epoch_failure is not None:
+            raise self._epoch_failure
+        try:
             self._epochs.append(change_epoch(self))
+        except BaseException as e:
+            self._epoch_failure = e
+            _abandon(self._engine, None, f"its membership change failed ({type(e).__name__}: {e})")
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -484,10 +508,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._engine is None:
             return
         try:
+            if self._epoch_failure is not None:  # step() raised it already; what is left was stopped
+                return
             self._follow_membership()
             self._engine.close()
             while getattr(self._engine, "drained", False):  # a rank left during close(): change epoch
-                self._epochs.append(change_epoch(self))
+                self._next_epoch()
                 self._engine.close()
         finally:
             if self._engine.closed and self._control is not None:

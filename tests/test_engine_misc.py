@@ -227,7 +227,9 @@ def _mismatch(rank, world):
     def attempt(**kw):
         shape = kw.pop("shape", (4, 3))
         extra = kw.pop("extra", False)
+        frozen = kw.pop("frozen", False)
         ps = [torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(5))]
+        ps[0].requires_grad_(not frozen)
         if extra:
             ps.append(torch.nn.Parameter(torch.zeros(1)))
         try:
@@ -241,6 +243,7 @@ def _mismatch(rank, world):
     return {
         "shape": attempt(shape=(4, 4) if last else (4, 3)),
         "extra": attempt(extra=last),
+        "frozen": attempt(frozen=last),
         "policy": attempt(policy="ssp:1" if last else "ssp:2"),
         "compression": attempt(compression="int8" if last else None),
         "layout": attempt(bucket_cap_mb=25 if last else 20 / 2**20),
@@ -254,6 +257,7 @@ def test_mismatched_ranks_fail_with_the_same_clear_error_everywhere():
     for key, needle in [
         ("shape", "shape=(4, 4)"),
         ("extra", "(nothing)"),
+        ("frozen", "requires_grad=False"),
         ("policy", "ssp:1"),
         ("compression", "int8"),
         ("layout", "bucket layout"),

@@ -171,6 +171,12 @@ def _stalls(rank: int, world: int, victim: int):
         opt.close()
     except pyasync.PeerFailure as e:
         err = {"msg": str(e), "ranks": e.ranks}
+        try:  # close() after the failure that step() raised: stops quietly (no internal error)
+            opt.close()
+            err["close"] = None
+        except Exception as e2:
+            err["close"] = f"{type(e2).__name__}: {e2}"
+        err["closed"] = opt.closed
     st = opt.stats() if err is None else None
     if rank == 0:  # the survivors are done: wake the stalled rank up
         os.kill(int(store.get(f"pid{victim}")), signal.SIGCONT)
@@ -190,6 +196,7 @@ def test_a_stalled_worker_is_dropped_and_told_when_it_wakes_up():
         torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
     err = res[victim]["err"]
     assert err is not None and "dropped from the job" in err["msg"], err
+    assert err["close"] is None and err["closed"], err
 
 
 def _until_gone(opt, g: int) -> None:

@@ -79,6 +79,7 @@ def check_agreement(items: dict[str, list[str]], group=None) -> None:
     raise AgreementError(
         f"pyasync: ranks disagree on the {name}: first difference at entry {i}: rank 0 has "
         f"{a if a is not None else '(nothing)'!r}, rank {r} has {b if b is not None else '(nothing)'!r}. "
-        "Every rank must build the same model (same parameters, shapes, dtypes, parameter groups) and pass "
+        "Every rank must build the same model (same parameters, shapes, dtypes, requires_grad flags, "
+        "parameter groups) and pass "
         "the same policy, compression and bucket_cap_mb to DistributedOptimizer."
     )
