@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pyasync import compression as _compression
+from pyasync import teardown as _teardown  # noqa: F401  (Note [A destroyed group that stays alive])
 from pyasync._construct import (
     check_elastic,
     check_elastic_transport,
@@ -74,13 +75,25 @@ def _abandon(
     engine: Engine,
     control,
     why: str = "it left without close() (its DistributedOptimizer was dropped, or the interpreter exited)",
+    owner: weakref.ref | None = None,
 ) -> None:
     """The optimizer went away (or the interpreter exits) without close(), or its membership change
-    failed: stop the engine's threads."""
+    failed: stop the engine's threads; then destroy the optimizer's own group ``control`` and drop the
+    references to it (the engine's, and ``owner``'s, the optimizer if it is still alive, as at exit), so
+    its gloo threads are joined now and not left to the interpreter's teardown (See Note [A destroyed
+    group that stays alive] in pyasync/teardown.py)."""
     if not engine.closed:
         engine.closed = True
         engine.capture.remove()
         engine.abort(why)
+    if control is None:
+        return
+    engine.control = None
+    opt = owner() if owner is not None else None
+    if opt is not None and opt._control is control:
+        opt._control = None
+    if dist.is_available() and any(g is control for g in dist.distributed_c10d._world.pg_map):
+        _destroy(control)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -305,7 +318,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._engine = Engine(**common, num_appliers=a["num_appliers"], elastic=self._elastic)
         # A rank that exits without close(): stop the threads, so peers see it leave (a PeerFailure
         # there) and the interpreter's exit never meets a thread inside a socket call.
-        self._finalizer = weakref.finalize(self, _abandon, self._engine, self._control)
+        self._finalizer = weakref.finalize(
+            self, _abandon, self._engine, self._control, owner=weakref.ref(self)
+        )
 
     def _build_layouts(self, world: int):
         return build_layout(self._assign, [p.numel() for p in self._params], self._groups, world)

@@ -87,8 +87,20 @@ class Lifecycle:
             self.transport.abort(self.abort_reason(reason), getattr(self.error, "ranks", None))
         self.owner.abort()
         self.pusher.q.put(Stop(None))
+        wait = min(5.0, self.timeout.total_seconds())
         for t in self.threads():
-            t.join(min(5.0, self.timeout.total_seconds()))
+            t.join(wait)
+        if self.transport is not None and hasattr(self.transport, "stop_heartbeats"):
+            self.transport.stop_heartbeats()
+        alive = [t.name for t in self.threads() if t.is_alive()]
+        if alive:  # say so: a thread left inside a native call may crash the interpreter's exit
+            _log.warning(
+                "pyasync: rank %d: threads %s did not stop within %g s of abort(); they are daemon threads "
+                "and may still be inside a socket call or a kernel when the interpreter exits",
+                self.rank,
+                alive,
+                wait,
+            )
 
     def _stop(self, close_transport: bool = True) -> None:
         self.pusher.q.put(Stop(self.timeout))

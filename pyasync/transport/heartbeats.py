@@ -5,6 +5,7 @@ which owns the sockets, their locks and what was heard from each peer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import socket
 import struct
@@ -16,6 +17,7 @@ from pyasync.transport.base import FLOWS
 __all__ = ["HEARTBEAT", "Heartbeats"]
 
 _LEN = struct.Struct("<Q")  # the length prefix of every message on the TCP transport
+_log = logging.getLogger("pyasync")
 HEARTBEAT = (1 << 64) - 3  # nothing follows: the sender is alive (elastic membership, Note [Heartbeats])
 
 
@@ -45,10 +47,17 @@ class Heartbeats:
         self._beats.start()
 
     def stop_heartbeats(self) -> None:
-        """Stop sending heartbeats and watching for silence (the engine stopped; bounded join)."""
+        """Stop sending heartbeats and watching for silence (the engine stopped; bounded join, and a
+        warning if the thread is still running after it)."""
         self._beats_off.set()
         if self._beats is not None:
             self._beats.join(5.0)
+            if self._beats.is_alive():
+                _log.warning(
+                    "pyasync: rank %d: the heartbeat thread did not stop within 5 s (inside a send?); "
+                    "it is a daemon thread and may still run when the interpreter exits",
+                    self.rank,
+                )
 
     def _beat(self, deadline, watched) -> None:
         while not self._closed and not self._beats_off.is_set():
