@@ -48,6 +48,9 @@ class Policy:
     #: ``max_grad_norm`` clips the mean gradient of a round (BSP, as DDP + clip_grad_norm_ does) rather
     #: than each worker's push.
     clips_mean: bool = False
+    #: Every worker holds the same values between steps and no reply is in flight then, so what the
+    #: workers hold can be saved and restored exactly (Note [Checkpoints and held values]).
+    resumes_exactly: bool = False
 
     def spec(self) -> str:
         raise NotImplementedError
@@ -130,6 +133,7 @@ class BSP(_Aggregate):
 
     p2p: bool = False
     clips_mean = True
+    resumes_exactly = True
 
     def spec(self) -> str:
         return "bsp:p2p" if self.p2p else "bsp"

@@ -30,7 +30,8 @@ from pyasync.engine.meet import collective_failure
 from pyasync.optimizer import DistributedOptimizer
 
 FORMAT = "pyasync-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a shard's entry may carry "held" (Note [Checkpoints and held values] in save.py)
+READ_VERSIONS = (1, 2)  # what load_checkpoint reads (a version 1 checkpoint loads as before)
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-[0-9a-f]{16}-r\d+-of-\d+\.pt$")
 TMP_PREFIX = ".pyasync-tmp-"

@@ -55,8 +55,11 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     Every rank validates its part first; unless every rank succeeded, nothing is modified and every
     rank raises CheckpointError (naming the file and the problem on the ranks that found it). On
     success the masters, optimizer state, error-feedback residuals and hyperparameters are restored
-    and every rank's parameters are set to the saved master values. Clocks and versions restart from
-    zero in the new engine (the saved ones stay in the files for inspection).
+    and every rank's parameters are set to the saved master values, or, with compressed replies under
+    BSP and the same world size, to the values each rank held at the save (which the owners' coded
+    replies go on from: the resumed run is bit-identical to one that never stopped; see Note
+    [Checkpoints and held values] in save.py). Clocks and versions restart from zero in the new
+    engine (the saved ones stay in the files for inspection).
 
     Takes no lock: when a concurrent save replaces the checkpoint during the load, every rank raises
     CheckpointChanged (a CheckpointError) and nothing is loaded; retry. See Note [Loading while a save
@@ -73,7 +76,8 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
         err, status = str(e), INVALID
     except Exception as e:  # any surprise still must not leave other ranks waiting
         err, status = f"{d}: unexpected {type(e).__name__} while validating: {e}", INVALID
-    mine = torch.tensor([status, _sid_int(sid) if sid else 0], dtype=torch.int64)
+    held = _held_of(sd) if sd is not None else None
+    mine = torch.tensor([status, _sid_int(sid) if sid else 0, int(held is not None)], dtype=torch.int64)
     flags = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
         collective(
@@ -105,8 +109,55 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
             "was loaded; retry the load"
         )
     assert sd is not None
-    opt.load_state_dict(sd)
-    _install_all(opt)
+    opt.load_state_dict(sd)  # the owners forget what the workers hold: exact replies from here ...
+    if all(int(f[2]) == 1 for f in flags):  # ... unless every rank's file says (Note [Checkpoints and
+        assert held is not None  # held values] in save.py)
+        opt.engine.shards.restore_held(held)
+        _install_held(opt, held)
+    else:
+        _install_all(opt)
+
+
+def _held_of(sd: dict) -> dict[int, torch.Tensor] | None:
+    """{bucket: what the workers held of this rank's shard at the save} when the (validated) state dict
+    carries it for every shard this rank owns; None otherwise (an older checkpoint, exact replies, a
+    policy other than BSP, or re-sharded)."""
+    out = {}
+    for b, d in sd["shards"].items():
+        if "held" not in d:
+            return None
+        out[int(b)] = d["held"]
+    return out
+
+
+def _install_held(opt: DistributedOptimizer, held: dict[int, torch.Tensor]) -> None:
+    """Give every rank's parameters what it held of every shard at the save: owner r sends worker w row
+    w of its held values (one all_to_all over every bucket); every rank installs them (its worker's
+    replica takes them too). See Note [Checkpoints and held values] in save.py."""
+    world = opt.world_size
+    layouts = opt.bucket_layouts
+    widths = [max(s.numel for s in lay.shards) for lay in layouts]
+    offs = [sum(widths[:b]) for b in range(len(layouts))]
+    total = sum(widths)
+    send = torch.zeros(world * total, dtype=torch.float32)
+    for b, rows in held.items():
+        for w in range(world):
+            row = rows[w if rows.shape[0] > 1 else 0]
+            send[w * total + offs[b] : w * total + offs[b] + row.numel()].copy_(row)
+    recv = send
+    if world > 1:
+        recv = torch.empty_like(send)
+        collective(
+            opt, "load_checkpoint: installing what every rank held", dist.all_to_all_single, recv, send
+        )
+    opt.engine.shards.install_values(
+        {
+            (b, r): recv[r * total + offs[b] : r * total + offs[b] + sh.numel]
+            for b, lay in enumerate(layouts)
+            for r, sh in enumerate(lay.shards)
+            if sh.numel > 0
+        }
+    )
 
 
 def _install_all(opt: DistributedOptimizer) -> None:

@@ -79,6 +79,32 @@ def drain(opt: DistributedOptimizer) -> None:
     eng.drain([int(c.item()) for c in clocks])
 
 
+# Note [Checkpoints and held values]
+# With compressed replies (a lossy codec, ``replies=True``: the default), a worker's parameters are not
+# the masters but the values it holds: what it decoded of the owners' coded changes, which trail the
+# masters by what the codec has not delivered yet (Note [Compressed replies on the point-to-point path]
+# in engine/replies.py, Note [Compressed replies] in engine/gather.py). The next reply encodes
+# master - held, so a bit-identical resume needs both sides of ``held`` back, exactly:
+#
+# * saving changes nothing: the save drains and snapshots, it never replaces what the workers hold with
+#   the masters (that would send, in effect, an exact reply the run that never saved does not send);
+# * each owned shard's entry in the shard file carries ``held``: float32 [1, numel] when every worker
+#   holds the same values of the shard (always under BSP, on collectives and on bsp:p2p), [n, numel]
+#   otherwise (row w: worker w's). Only under BSP: under SSP/ASP/Quorum a reply may be in flight when
+#   a load restores ``held``, and those runs are not deterministic anyway, so they save none;
+# * a load into the same world size, when every rank's file carries it (agreed in the validation's
+#   all_gather), restores ``held`` on the owners (``shards.restore_held``) and gives every worker row w
+#   of every shard (one all_to_all: the parameters, the p2p worker's held values and the collective
+#   engine's replica, bit for bit). The next coded reply is then the one the uninterrupted run sends.
+#
+# Otherwise (a checkpoint without ``held``: format version 1 or another policy; exact replies; a load
+# into another world size, Note [Re-sharding] in reshard.py, where no worker of the new layout held
+# anything of the new shards), the load does what it always did: every rank's parameters take the
+# masters, the owners forget what the workers hold and the first reply after the load is exact. That
+# run is correct but not bit-identical to an uninterrupted one (it jumps to the masters one reply early).
+# The price of ``held`` is one more fp32 copy of each shard in its file under BSP.
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -173,8 +199,10 @@ def _lock_error(d: str, head: torch.Tensor, rank: int, lk: dirlock.DirLock | Non
 
 def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     """Save ``opt`` (every rank's shard: fp32 master values, optimizer state, error-feedback residuals,
-    clocks and versions) into the directory ``path``. Collective: call on every rank of the
-    optimizer's process group, between steps (after ``step()`` returned, before the next backward).
+    clocks and versions, and with compressed replies what the workers hold of it: Note [Checkpoints and
+    held values]) into the directory ``path``. Saving does not change the run. Collective: call on
+    every rank of the optimizer's process group, between steps (after ``step()`` returned, before the
+    next backward).
 
     The save first drains (waits at most the optimizer's timeout, in seconds of wall time): every push
     any rank made before the save is processed by its owner. Under BSP, Quorum(n), SSP and ASP every

@@ -20,8 +20,8 @@ import torch
 
 from pyasync.checkpoint.common import (
     FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
+    READ_VERSIONS,
     SAVE_ID_RE,
     SHARD_RE,
     CheckpointChanged,
@@ -47,9 +47,10 @@ def read_manifest(d: str) -> dict[str, Any]:
         raise CheckpointError(f"{mpath}: not valid JSON (truncated or not a pyasync manifest): {e}") from e
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: not a pyasync checkpoint manifest (no \"format\": \"{FORMAT}\")")
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READ_VERSIONS:
         raise CheckpointError(
-            f"{mpath}: format version {m.get('format_version')!r}, this pyasync reads {FORMAT_VERSION}"
+            f"{mpath}: format version {m.get('format_version')!r}, this pyasync reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}: load it with the pyasync that saved it"
         )
     for key, typ in (("world_size", int), ("shards", list), ("parameters", list), ("buckets", list)):
         if not isinstance(m.get(key), typ):
@@ -126,6 +127,15 @@ def check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, world
         if not isinstance(d, dict) or not isinstance(d.get("optim"), dict):
             raise CheckpointError(f"{fpath}: {w} is not a shard dict")
         _check_tensor(fpath, f"{w}['master']", d.get("master"), sh.numel, torch.float32)
+        if "held" in d:  # Note [Checkpoints and held values] in save.py
+            h = d["held"]
+            _check_tensor(fpath, f"{w}['held']", h, None, torch.float32)
+            if h.dim() != 2 or h.shape[0] not in (1, world) or h.shape[1] != sh.numel:
+                raise CheckpointError(
+                    f"{fpath}: {w}['held'] has shape {tuple(h.shape)}, expected (1 or {world}, {sh.numel})"
+                )
+            if not bool(torch.isfinite(h).all()):
+                raise CheckpointError(f"{fpath}: {w}['held'] holds NaN or Inf")
         o = d["optim"]
         _check_tensor(fpath, f"{w}['optim']['steps']", o.get("steps"), len(sh.segments), torch.int64)
         for k, t in o.items():

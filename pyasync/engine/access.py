@@ -52,7 +52,13 @@ class ShardAccess:
     ) -> None:
         self.owner, self.rule, self.layouts, self.params = owner, rule, layouts, params
         self.rank, self.timeout, self.require_open = rank, timeout, require_open
-        self.written: Callable[[], None] = lambda: None  # install_values() changed the parameters
+        # install_values() gave the parameters these exact values (what this worker holds now).
+        self.written: Callable[[dict[tuple[int, int], torch.Tensor]], None] = lambda values: None
+        # Coded replies: bucket -> what the workers hold of our shard ([1 or n, numel]; None: unknown),
+        # and its restore (bucket, rows, master); run in the shard's applier thread. None: not saved.
+        # See Note [Checkpoints and held values] in pyasync/checkpoint/save.py.
+        self.held_rows: Callable[[int], torch.Tensor | None] | None = None
+        self.restore_rows: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def snapshot(self) -> dict[int, dict]:
         """This rank's shards: {bucket: {master, version, processed, optim}} (copies), taken in their
@@ -60,7 +66,7 @@ class ShardAccess:
         self.require_open("snapshot()")
 
         def grab(ap) -> dict:
-            return {
+            out = {
                 b: {
                     "master": sh.state.master.clone(),
                     "version": torch.tensor(sh.round.version, dtype=torch.int64),
@@ -69,6 +75,11 @@ class ShardAccess:
                 }
                 for b, sh in ap.shards.items()
             }
+            for b, d in out.items():
+                rows = self.held_rows(b) if self.held_rows is not None else None
+                if rows is not None:
+                    d["held"] = rows  # what the workers hold of this shard (coded replies)
+            return out
 
         out: dict[int, dict] = {}
         for part in self.owner.call(grab, self.timeout):
@@ -96,6 +107,22 @@ class ShardAccess:
         self.owner.call(put, self.timeout)
         self.install_values({(b, self.rank): d["master"] for b, d in shards.items()})
 
+    def restore_held(self, rows: dict[int, torch.Tensor]) -> None:
+        """After ``load``: {bucket: what the workers hold of this rank's shard, [1 or n, numel]} (from a
+        checkpoint), so the next coded replies start from them instead of an exact reply. The workers'
+        side is ``install_values`` of the same values (pyasync.checkpoint). See Note [Checkpoints and
+        held values] in pyasync/checkpoint/save.py."""
+        self.require_open("restore_held()")
+        if self.restore_rows is None:
+            return
+
+        def put(ap) -> None:
+            for b, sh in ap.shards.items():
+                if b in rows:
+                    self.restore_rows(b, rows[b], sh.state.master)
+
+        self.owner.call(put, self.timeout)
+
     def masters(self) -> dict[int, torch.Tensor]:
         """Copies of the master values of this rank's shards, {bucket: values}."""
         self.require_open("masters()")
@@ -107,8 +134,8 @@ class ShardAccess:
         return out
 
     def install_values(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Write {(bucket, owner rank): shard values} into the local parameters (``written`` is told)."""
-        self.written()
+        """Write {(bucket, owner rank): shard values} into the local parameters (then ``written`` is told
+        the exact values: what this worker holds of those shards now)."""
         with torch.no_grad():
             for (b, r), v in values.items():
                 lay = self.layouts[b]
@@ -118,3 +145,4 @@ class ShardAccess:
                     lay.offsets,
                     begin=lay.shards[r].begin,
                 )
+        self.written(values)

@@ -97,7 +97,7 @@ class _Here:
         return [fn(self)]
 
     def loaded(self, bucket: int) -> None:
-        """Nothing to forget: the replica is read again from the parameters (StepGather)."""
+        """Nothing to forget: the replica takes the values the load installs (CollectiveEngine._touched)."""
 
 
 #: What a survivor of a dead rank can do under BSP on collectives (it cannot go on without it).
@@ -157,7 +157,9 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         self._plan()
         self._init_overlap()
         self._init_replies()
-        self.shards.written = self._touched  # a load changed the parameters: read the replica again
+        self.shards.written = self._touched  # a load gave the parameters new values: the replica's too
+        if self.compress_replies:  # Note [Checkpoints and held values] in pyasync/checkpoint/save.py
+            self.shards.held_rows = self._held_rows
 
     # -- errors -------------------------------------------------------------------------------------
     def _collective(self, what: str, fn, *args, **kwargs):
@@ -267,12 +269,9 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
 
     def drain(self, want: list[int]) -> None:
         """Nothing to wait for: every step's update is applied before step() returns. With compressed
-        replies (a checkpoint's drain, on every rank): gather the exact masters, so the saved state and
-        every replica agree and a resumed run is bit-identical to an uninterrupted one."""
+        replies the replica is left as it is: a checkpoint saves it (Note [Checkpoints and held values]
+        in pyasync/checkpoint/save.py), so saving does not change the run."""
         self.check()
-        if self.compress_replies:
-            self._gather(self.clock)
-            self.replica_stale = True
 
     @property
     def in_flight(self) -> None:
@@ -284,8 +283,16 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
     def threads(self) -> list[threading.Thread]:
         return []
 
-    def _touched(self) -> None:
-        self.replica_stale = True
+    def _touched(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The parameters were given ``values`` ({(bucket, owner): shard values}, exact fp32) by a load:
+        the replica (what every rank holds) takes them too, bit for bit."""
+        if not self.compress_replies:
+            return
+        if self.replica_stale:
+            self._read_replica()  # the rest of the replica: the parameters as they are
+        for (b, r), v in values.items():
+            sh = self.layouts[b].shards[r]
+            self.replica[b][sh.begin : sh.end].copy_(v.reshape(-1))
 
     def close(self) -> None:
         """Every rank leaves together (a bounded barrier on the optimizer's group); replicas are already

@@ -159,6 +159,12 @@ class Engine(Lifecycle, EngineBase):
             else None
         )
         self.shards = ShardAccess(self.owner, rule, layouts, params, rank, timeout, self._require_open)
+        if compressor.replies:  # Note [Checkpoints and held values] in pyasync/checkpoint/save.py
+            if policy.resumes_exactly:  # elsewhere a reply may be in flight at a load: not restored
+                self.shards.held_rows = self.owner.replies.held_rows
+            self.shards.restore_rows = self.owner.replies.restore
+            if self.mailbox.held is not None:
+                self.shards.written = self.mailbox.held.set
         self.step_seconds: collections.deque[float] = collections.deque(maxlen=32)  # recent step times
         self._step_start: float | None = None
         if elastic and transport is not None:

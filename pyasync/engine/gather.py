@@ -30,10 +30,12 @@ class StepGather:
         frame per owner (the header says owner, step and codec, and is checked on receipt), then every
         rank decodes every owner's frame in the same way into its replica and installs it: the
         replicas stay bit-identical across ranks; they trail the masters by what the codec dropped.
-        ``close()`` and a checkpoint's drain gather the exact masters once, so a run ends on the
-        masters, as uncompressed BSP does, and a resumed run is bit-identical to an uninterrupted one.
-        The replica costs one fp32 copy of the parameters per rank; state access (checkpoint loads)
-        marks it stale, and it is read back from the parameters.
+        ``close()`` gathers the exact masters once, so a run ends on the masters, as uncompressed BSP
+        does. A checkpoint leaves the replica alone (saving does not change the run) and saves each
+        owner's slice of it; a load into the same world size puts it back, so a resumed run is
+        bit-identical to one that never saved (Note [Checkpoints and held values] in
+        pyasync/checkpoint/save.py). The replica costs one fp32 copy of the parameters per rank; it is
+        read from the parameters at the first step, and a load writes the values it installs into it.
     """
 
     def _init_replies(self) -> None:
@@ -56,6 +58,14 @@ class StepGather:
                 src = [self.params[p].detach().reshape(-1).float().cpu() for p in lay.params]
                 ops_bucketing.flatten(src, self.replica[b], lay.offsets, numels=lay.numels)
         self.replica_stale = False
+
+    def _held_rows(self, b: int) -> torch.Tensor:
+        """What every rank holds of this rank's shard of bucket ``b`` (a copy, [1, numel]), for a
+        checkpoint."""
+        if self.replica_stale:
+            self._read_replica()
+        sh = self.layouts[b].shards[self.rank]
+        return self.replica[b][sh.begin : sh.end].clone().unsqueeze(0)
 
     def _gather_step(self, t: int) -> int:
         """Gather the new values; returns how many ranks pushed in this step (Note [Joining])."""

@@ -17,8 +17,12 @@ Note [Compressed replies on the point-to-point path]
     holds the same values of every shard, as with exact replies. Both sides start from the agreed
     parameters (broadcast at construction: the initial masters are
     what every worker holds). A reply is exact (fp32, codec 0) when the owner no longer knows what the
-    worker holds, after a load (``forget``), and for the FINAL reply of ``close()``, so a run ends on
-    the masters as an uncompressed one does. So BSP on this path sends the same changes as BSP on
+    worker holds, after a load (``forget``) that did not restore it, and for the FINAL reply of
+    ``close()``, so a run ends on the masters as an uncompressed one does. Under BSP a checkpoint saves
+    ``held`` (``held_rows``: one row, as every worker holds the same values) and a load into the same
+    world size restores it on both sides (``restore``, ``HeldValues.set``), so a resumed run sends the
+    same coded changes as one that never stopped (Note [Checkpoints and held values] in
+    pyasync/checkpoint/save.py). So BSP on this path sends the same changes as BSP on
     collectives, and the two agree bit for bit. The price is one fp32 copy of the shard per worker on
     its owner (the model's size per rank in all), and per reply a subtraction, an encode
     and a decode of the shard: passes at memory bandwidth, against 2-32x fewer bytes on the wire.
@@ -70,6 +74,36 @@ class ReplyFrames:
         exact. Call from the shard's applier thread."""
         for key in [k for k in self.held if k[0] == bucket]:
             del self.held[key]
+
+    def held_rows(self, bucket: int) -> torch.Tensor | None:
+        """What every worker holds of our shard of ``bucket``, for a checkpoint (a copy): [1, numel] when
+        all hold the same values (always under BSP), else [n, numel] (row w: worker w's); None when
+        replies are exact or the owner does not know (a load forgot it). Call from the shard's applier
+        thread. See Note [Checkpoints and held values] in pyasync/checkpoint/save.py."""
+        if self.comp is None:
+            return None
+        rows = [self.held.get((bucket, w)) for w in range(self.n)]
+        if any(r is None for r in rows):
+            return None
+        if all(torch.equal(rows[0], r) for r in rows[1:]):
+            return rows[0].detach().cpu().clone().unsqueeze(0)
+        return torch.stack([r.detach().cpu() for r in rows])
+
+    def restore(self, bucket: int, rows: torch.Tensor, like: torch.Tensor) -> None:
+        """A load restored what every worker holds of our shard of ``bucket`` (``rows`` as
+        :meth:`held_rows` gives them; ``like``: the master, for device and size): the next replies are
+        coded changes from these values, as if the run had not stopped. Call from the shard's applier
+        thread, after ``forget``."""
+        if self.comp is None:
+            return
+        if rows.dim() != 2 or rows.shape[0] not in (1, self.n) or rows.shape[1] != like.numel():
+            raise ValueError(
+                f"held values of bucket {bucket} have shape {tuple(rows.shape)}, expected (1 or "
+                f"{self.n}, {like.numel()})"
+            )
+        for w in range(self.n):
+            row = rows[w if rows.shape[0] > 1 else 0]
+            self.held[(bucket, w)] = row.to(device=like.device, dtype=torch.float32).clone()
 
     def _ring(self, bucket: int, w: int, nbytes: int, device: torch.device):
         ring = self.rings.get((bucket, w))
@@ -186,6 +220,15 @@ class HeldValues:
                 if bb == b:
                     self.values[(b, r)] = flat[lay.shards[r].begin : lay.shards[r].end].clone()
         self.lock = threading.Lock()
+
+    def set(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The parameters were given ``values`` ({(bucket, owner): shard values}) outside the replies (a
+        checkpoint load, between steps): they are what this worker holds of those shards now."""
+        with self.lock:
+            for key, v in values.items():
+                held = self.values.get(key)
+                if held is not None:
+                    held.copy_(v.reshape(-1))
 
     def take(self, h: wire.Header, body: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Apply a checked reply (exact or coded) to the held values of its shard; (values, clocks)."""
