@@ -195,6 +195,7 @@ def buffer_bound(opt) -> dict[str, int]:
     the formula of docs/reliability.md ("Memory per rank"), evaluated on ``opt``'s own layout."""
     import pyasync
     from pyasync.engine import wire
+    from pyasync.engine.intake import local_limit
     from pyasync.engine.owner import intake_limit
 
     n, rank, comp = opt.world_size, opt.rank, opt.compressor
@@ -216,7 +217,7 @@ def buffer_bound(opt) -> dict[str, int]:
         "control frames": (n - 1) * h,
         "reply frames": sum((n - 1) * (h + wire.reply_parts(lays[b].shards[rank].numel, n)[1]) for b in own),
         "push intake": intake_limit(n, len(own)) * spec.max_push_frame(),
-        "own pushes": (len(lays) + 2 * len(own)) * own_push,
+        "own pushes": (len(lays) + local_limit(n, len(own))) * own_push,
         "reply pool": (2 * len(remote) + 1) * spec.max_reply_frame(),
         "own replies": 2 * 4 * own_numel,
         "masters": 4 * own_numel,

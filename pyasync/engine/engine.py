@@ -266,6 +266,10 @@ class Engine(Lifecycle, EngineBase):
                     self.timeout,
                     lambda: f"the push thread to send the pushes of step {t}",
                     self._err,
+                    # A slow owner that drains this rank's sends only slowly is no failure: the wait
+                    # starts again while pushes go out or this rank sees the job move (Note [Fair
+                    # intake]); a send that makes no progress fails on its own, after the timeout.
+                    progress=lambda: self.pusher.pushes_sent + self._progress(),
                 )
             if self.clip is not None and self.gated_done < t:
                 with self.cond:

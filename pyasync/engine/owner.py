@@ -12,7 +12,8 @@ The worker of this rank pushes to its own shards through :meth:`Owner.local_push
 gets its answers through a callback. Send frames and receive pools are the transport's (Note [Frame
 reuse] in pyasync/transport/frames.py).
 
-Pushes an owner holds are bounded: Note [Bounded intake] in engine/intake.py.
+Pushes an owner holds are bounded, and fair across senders: Note [Bounded intake] and Note [Fair
+intake] in engine/intake.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pyasync.engine import wire
 from pyasync.engine.applier import Applier, OwnedShard
 from pyasync.engine.clip import ClipGate
 from pyasync.engine.clock import wait_until
-from pyasync.engine.intake import Intake, intake_limit
+from pyasync.engine.intake import Intake, intake_limit, local_limit
 from pyasync.engine.messages import Close, Depart, Pause, Push, Release, Reply, Stop
 from pyasync.engine.replies import ReplyFrames
 from pyasync.engine.rule import UpdateRule
@@ -87,7 +88,7 @@ class Owner:
         # before a message is read and given back once the push is applied, summed or dropped, whether
         # its payload still sits in its receive buffer or was copied to the device.
         self.intake = Intake(intake_limit(world_size, len(owned)))
-        self.local_intake = Intake(2 * max(1, len(owned)))
+        self.local_intake = Intake(local_limit(world_size, len(owned)))  # Note [Fair intake]
         # Receive buffers, recycled; sized by this rank's layout only. As many are kept as the intake
         # lets out, so a backlog that drains and refills allocates nothing new.
         self.push_pool = (

@@ -21,20 +21,45 @@ length and a text, says the sender stopped because of a failure of its own (``ab
 peers report that reason, so the first cause travels instead of "rank i died". Connections are set up
 once: every rank listens, the ranks all-gather (address, port) on a gloo group with the job's token,
 and rank i connects to every rank j > i once per flow, with a handshake (magic, token, rank, flow) that the
-accepting side checks. ``PYASYNC_SOCKET_ADDR`` sets the address a rank announces (default: the address
-of this host that reaches ``MASTER_ADDR``, else its hostname's address, else 127.0.0.1).
+accepting side checks (connections that are not the job's are refused without harm: Note [Hostile
+connections at set-up]). ``PYASYNC_SOCKET_ADDR`` sets the address a rank announces (default: the address
+of this host that reaches ``MASTER_ADDR``, else its hostname's address, else 127.0.0.1); the set-up
+listener binds that address only, the one its peers connect to. ``PYASYNC_SOCKET_BIND`` overrides the
+address bound: ``PYASYNC_SOCKET_BIND=0.0.0.0`` listens on every interface, for a host behind NAT whose
+announced address is not one of its own.
+
+Note [Hostile connections at set-up]
+    The listener is open to anyone who can reach it while the transport is set up (a port scanner, a
+    health checker, another job's rank, a stray client), and such a connection must neither stop nor
+    slow the job. So the accepting side (:func:`_accept_peers`) never blocks on one connection: it
+    accepts in a loop over a selector and reads every pending handshake non-blockingly, concurrently,
+    each with its own short deadline (``_HANDSHAKE_S``, at most the timeout). A job's rank sends its
+    32 bytes right after connecting, so a short deadline costs it nothing. A connection that fails the
+    handshake (closed or stalled before 32 bytes, wrong magic, wrong token, unknown flow, a rank that
+    does not connect to this one or has already connected) is closed and logged; nothing else changes.
+    At most ``_PENDING_MAX`` handshakes are awaited at once (a flood drops the oldest), so a flood
+    cannot exhaust descriptors. Only ranks that really fail to connect by the set-up deadline fail it:
+    the PeerFailure names them and lists the connections refused meanwhile ("wrong token from
+    10.0.0.7:5555"), so an attack or a misconfiguration shows in the message. The listener binds the
+    announced address, not every interface: peers connect to exactly that address, so nothing they
+    need is lost, and other networks of the host cannot reach the listener at all. A rank that cannot
+    listen still takes part in the address exchange (announcing port 0), so its peers name it at once
+    instead of waiting for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
+import logging
 import os
 import secrets
 import select
 import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -45,7 +70,7 @@ from pyasync.errors import PeerFailure
 from pyasync.transport.base import FLOWS, Handle, Transport, TransportClosed
 from pyasync.transport.frames import FrameRing
 from pyasync.transport.heartbeats import _LEN, HEARTBEAT, Heartbeats
-from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into, send_all
+from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into
 
 __all__ = ["TcpTransport", "TransportClosed"]
 
@@ -54,6 +79,53 @@ _HANDSHAKE = struct.Struct("<qqqq")  # magic, token, rank, flow
 BYE = (1 << 64) - 1
 GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
 _BUF_BYTES = 4 << 20  # socket send / receive buffer asked for
+_HANDSHAKE_S = 5.0  # how long an accepted connection may take to send its handshake (Note [Hostile ...])
+_PENDING_MAX = 64  # handshakes awaited at once at set-up; beyond, the oldest connection is dropped
+_LOGGED_MAX = 16  # refused set-up connections logged one by one (then only counted)
+
+_log = logging.getLogger("pyasync")
+
+
+def _unsent(s: socket.socket) -> int | None:
+    """Bytes written to ``s`` that its peer has not taken yet (Linux's SIOCOUTQ); None where unknown."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _send_while_taken(s: socket.socket, parts: list, timeout_s: float) -> None:
+    """Write ``parts`` whole to ``s`` (a socket with a timeout, so its descriptor is non-blocking).
+    Bytes go out as soon as there is any room, not only once a third of the send buffer is free (when
+    Linux wakes a blocked writer); without room it looks again every 50 ms. It fails after ``timeout_s``
+    without a byte written only if the peer took none of this connection's queued bytes meanwhile: a
+    receiver that keeps reading this connection, however slowly, never cuts a send short (Note [Fair
+    intake] in pyasync/engine/intake.py)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    poller = select.poll()
+    poller.register(s, select.POLLOUT)
+    deadline = queued = None  # while waiting for room: when it fails, and the bytes the peer had not taken
+    while views:
+        try:
+            sent = os.writev(s.fileno(), views)
+        except BlockingIOError:
+            sent = 0
+        if sent:
+            deadline = None
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            continue
+        now, unsent = time.monotonic(), _unsent(s)
+        if deadline is None or (unsent is not None and queued is not None and unsent < queued):
+            deadline, queued = now + timeout_s, unsent  # waiting starts, or the peer took bytes: again
+        elif now >= deadline:
+            raise TimeoutError(f"no room for {timeout_s:g} s and the peer took none of {queued} bytes")
+        poller.poll(max(1, min(50, int((deadline - now) * 1000))))
 
 
 class _Done(Handle):
@@ -89,6 +161,192 @@ def _pack_addr(host: str, port: int, token: int) -> torch.Tensor:
     return torch.tensor([int.from_bytes(raw, "big"), port, token], dtype=torch.int64)
 
 
+def _announced() -> str:
+    """The IPv4 address this rank announces to its peers (``_local_address()``, resolved)."""
+    addr = _local_address()
+    try:
+        return socket.gethostbyname(addr)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"pyasync: the address {addr!r} this rank would announce does not resolve ({e}); set "
+            "PYASYNC_SOCKET_ADDR to an IPv4 address of this host that the other ranks reach",
+        ) from e
+
+
+def _listen(host: str, backlog: int = 128) -> socket.socket:
+    """The set-up listener, bound to ``host`` (the announced address) or to ``PYASYNC_SOCKET_BIND``."""
+    bind = os.environ.get("PYASYNC_SOCKET_BIND", "").strip() or host
+    ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((bind, 0))
+        ls.listen(backlog)
+    except OSError as e:
+        ls.close()
+        raise OSError(
+            e.errno,
+            f"pyasync: the transport cannot listen on {bind} ({e.strerror or e}). It binds the address it "
+            "announces to its peers: set PYASYNC_SOCKET_ADDR to an address of this host that the other "
+            "ranks reach, or, behind NAT, PYASYNC_SOCKET_BIND=0.0.0.0 to listen on every interface",
+        ) from e
+    return ls
+
+
+def _judge(raw: bytes, token: int, expected: set[tuple[int, str]], rank: int) -> tuple[str | None, int, str]:
+    """(why the handshake ``raw`` is refused, or None; its rank; its flow)."""
+    magic, tok, peer, fi = _HANDSHAKE.unpack(raw)
+    if magic != _MAGIC:
+        return "not a pyasync handshake (wrong magic)", -1, ""
+    if tok != token:
+        return f"a handshake with a wrong token (claiming rank {peer}: another job's?)", -1, ""
+    if not 0 <= fi < len(FLOWS):
+        return f"a handshake naming an unknown flow {fi} (claiming rank {peer})", -1, ""
+    flow = FLOWS[fi]
+    if (peer, flow) not in expected:
+        if 0 <= peer < rank:
+            return f"a second connection claiming rank {peer} on flow {flow}", -1, ""
+        return f"a handshake claiming rank {peer}, which does not connect to rank {rank}", -1, ""
+    return None, peer, flow
+
+
+class _Acceptor:
+    """The accepting side of the set-up (Note [Hostile connections at set-up])."""
+
+    def __init__(self, listener, token, expected, rank, timeout_s, end, handshake_s) -> None:
+        self.listener, self.token, self.rank, self.timeout_s = listener, token, rank, timeout_s
+        self.expected = set(expected)
+        self.end = end
+        self.handshake_s = min(handshake_s, timeout_s)
+        self.taken: list[tuple[socket.socket, int, str]] = []
+        self.pending: dict[socket.socket, tuple[str, bytearray, float]] = {}  # oldest first
+        self.refused: list[str] = []
+        self.sel = selectors.DefaultSelector()
+
+    def run(self) -> list[tuple[socket.socket, int, str]]:
+        ok = False
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        try:
+            while self.expected:
+                now = time.monotonic()
+                for s in [s for s, (_, _, end) in self.pending.items() if end <= now]:
+                    got = len(self.pending[s][1])
+                    why = f"no handshake within {self.handshake_s:g} s ({got} of {_HANDSHAKE.size} bytes)"
+                    self.refuse(s, why)
+                if now >= self.end:
+                    raise self.missing()
+                wait = min([self.end - now] + [end - now for _, _, end in self.pending.values()])
+                for key, _ in self.sel.select(max(wait, 0.0)):
+                    if key.fileobj is self.listener:
+                        self.accept()
+                    elif key.fileobj in self.pending:
+                        self.read(key.fileobj)
+            ok = True
+            return self.taken
+        finally:
+            self.sel.close()
+            if ok and self.pending:  # strangers still silent when the last peer came: closed now
+                _log.warning(
+                    "pyasync: rank %d closed %d connection(s) to its transport set-up that sent no full "
+                    "handshake: from %s",
+                    self.rank,
+                    len(self.pending),
+                    ", ".join(name for name, _, _ in list(self.pending.values())[:8]),
+                )
+            for s in self.pending:
+                s.close()
+            if not ok:
+                for s, _, _ in self.taken:
+                    s.close()
+
+    def accept(self) -> None:
+        for _ in range(_PENDING_MAX):  # then back to the reads: a flood does not starve them
+            try:
+                s, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError:  # out of descriptors: make room, or give up if there is none to make
+                if not self.pending:
+                    raise
+                self.refuse(next(iter(self.pending)), "dropped: out of file descriptors")
+                return
+            if len(self.pending) >= _PENDING_MAX:
+                self.refuse(next(iter(self.pending)), "dropped: too many connections awaiting a handshake")
+            s.setblocking(False)
+            self.pending[s] = (f"{addr[0]}:{addr[1]}", bytearray(), time.monotonic() + self.handshake_s)
+            self.sel.register(s, selectors.EVENT_READ, None)
+
+    def read(self, s: socket.socket) -> None:
+        _, buf, _ = self.pending[s]
+        try:
+            chunk = s.recv(_HANDSHAKE.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.refuse(s, f"its connection broke ({e.strerror or e})")
+            return
+        if not chunk:
+            self.refuse(s, f"closed after {len(buf)} of {_HANDSHAKE.size} handshake bytes")
+            return
+        buf += chunk
+        if len(buf) < _HANDSHAKE.size:
+            return
+        why, peer, flow = _judge(bytes(buf), self.token, self.expected, self.rank)
+        if why is not None:
+            self.refuse(s, why)
+            return
+        del self.pending[s]
+        self.sel.unregister(s)
+        self.expected.discard((peer, flow))
+        self.taken.append((s, peer, flow))
+
+    def refuse(self, s: socket.socket, why: str) -> None:
+        name, _, _ = self.pending.pop(s)
+        self.sel.unregister(s)
+        s.close()
+        self.refused.append(f"{why} from {name}")
+        if len(self.refused) <= _LOGGED_MAX:
+            _log.warning(
+                "pyasync: rank %d refused a connection to its transport set-up: %s from %s",
+                self.rank,
+                why,
+                name,
+            )
+
+    def missing(self) -> PeerFailure:
+        ranks = sorted({i for i, _ in self.expected})
+        seen = ""
+        if self.refused:
+            n = len(self.refused)
+            seen = f"; {n} other connection{'s were' if n > 1 else ' was'} refused meanwhile: " + "; ".join(
+                self.refused[:8]
+            )
+            seen += f"; and {n - 8} more" if n > 8 else ""
+        return PeerFailure(
+            f"pyasync: ranks {ranks} did not connect to rank {self.rank} within {self.timeout_s:g} s while "
+            f"the transport was set up (are they alive? can they reach this host?){seen}",
+            ranks,
+        )
+
+
+def _accept_peers(
+    listener: socket.socket,
+    token: int,
+    expected: set[tuple[int, str]],
+    rank: int,
+    timeout_s: float,
+    end: float | None = None,
+    handshake_s: float = _HANDSHAKE_S,
+) -> list[tuple[socket.socket, int, str]]:
+    """Accept on ``listener`` one connection per (rank, flow) in ``expected`` whose handshake carries
+    ``token``: [(socket, rank, flow)]. Other connections are refused and logged, without effect on the
+    others (Note [Hostile connections at set-up]). Raises PeerFailure naming the ranks still missing at
+    ``end`` (a ``time.monotonic()`` value; default: ``timeout_s`` from now), with what was refused."""
+    end = time.monotonic() + timeout_s if end is None else end
+    return _Acceptor(listener, token, expected, rank, timeout_s, end, handshake_s).run()
+
+
 class TcpTransport(Heartbeats, Transport):
     """Point-to-point messages among the ranks of ``process_group`` over TCP.
 
@@ -116,6 +374,7 @@ class TcpTransport(Heartbeats, Transport):
         self._failure = threading.Event()  # set when a peer fails
         self._readers = 0  # threads inside recv_any (they notice failures themselves)
         self._readers_lock = threading.Lock()
+        self._served = {f: -1 for f in FLOWS}  # the peer recv_any took the last message from, per flow
         self._woken = False  # the wake-up bytes are written: the pipes may be released
         self._heard: dict[int, float] = {}  # peer -> when something last came from it (heartbeats)
         self._beats: threading.Thread | None = None
@@ -131,51 +390,54 @@ class TcpTransport(Heartbeats, Transport):
 
     # -- set-up ---------------------------------------------------------------------------------------
     def _connect(self, group) -> None:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        host, listener, err = "0.0.0.0", None, None
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(("0.0.0.0", 0))
-            listener.listen(max(128, 2 * self.world_size))
-            mine = _pack_addr(_local_address(), listener.getsockname()[1], secrets.randbits(62))
+            host = _announced()
+            listener = _listen(host, max(128, 2 * self.world_size))
+        except OSError as e:
+            err = e  # raised after the address exchange, where port 0 tells the peers
+        try:
+            port = listener.getsockname()[1] if listener is not None else 0
+            mine = _pack_addr(host, port, secrets.randbits(62))
             table = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(table, mine, group=group)
+            if err is not None:
+                raise err
+            unable = [r for r in range(self.world_size) if int(table[r][1]) == 0]
+            if unable:
+                raise PeerFailure(
+                    f"pyasync: ranks {unable} could not open their transport listener while the transport "
+                    "was set up (their own error says why)",
+                    unable,
+                )
             token = int(table[0][2])  # rank 0's token names the job
             deadline = Deadline(self.timeout_s)
             for j in range(self.rank + 1, self.world_size):
-                host = socket.inet_ntoa(int(table[j][0]).to_bytes(4, "big"))
+                addr = (socket.inet_ntoa(int(table[j][0]).to_bytes(4, "big")), int(table[j][1]))
                 for fi, f in enumerate(FLOWS):
-                    s = socket.create_connection((host, int(table[j][1])), timeout=deadline.left())
-                    s.sendall(_HANDSHAKE.pack(_MAGIC, token, self.rank, fi))
+                    s = None
+                    try:
+                        s = socket.create_connection(addr, timeout=deadline.left())
+                        s.sendall(_HANDSHAKE.pack(_MAGIC, token, self.rank, fi))
+                    except OSError as e:
+                        if s is not None:
+                            s.close()
+                        raise PeerFailure(
+                            f"pyasync: rank {self.rank} could not connect to rank {j} at {addr[0]}:{addr[1]} "
+                            f"while the transport was set up ({e})",
+                            [j],
+                        ) from e
                     self._adopt(s, j, f)
             expected = {(i, f) for i in range(self.rank) for f in FLOWS}
-            while expected:
-                listener.settimeout(deadline.left())
-                try:
-                    s, _ = listener.accept()
-                except TimeoutError:
-                    missing = sorted({i for i, _ in expected})
-                    raise PeerFailure(
-                        f"pyasync: ranks {missing} did not connect to rank {self.rank} within "
-                        f"{self.timeout_s:g} s while the transport was set up",
-                        missing,
-                    ) from None
-                s.settimeout(deadline.left())
-                magic, tok, peer, fi = _HANDSHAKE.unpack(recv_exact(s, _HANDSHAKE.size))
-                if (
-                    magic != _MAGIC
-                    or tok != token
-                    or not 0 <= fi < len(FLOWS)
-                    or (peer, FLOWS[fi]) not in expected
-                ):
-                    s.close()  # not one of this job's ranks: ignore it
-                    continue
-                expected.discard((peer, FLOWS[fi]))
-                self._adopt(s, peer, FLOWS[fi])
+            taken = _accept_peers(listener, token, expected, self.rank, self.timeout_s, deadline.end)
+            for s, peer, f in taken:
+                self._adopt(s, peer, f)
         except BaseException:
             self.abort()
             raise
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
 
     def _adopt(self, s: socket.socket, peer: int, flow: str) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -284,11 +546,12 @@ class TcpTransport(Heartbeats, Transport):
         view = as_bytes(buf)
         with self._locks[(flow, dst)]:
             try:
-                send_all(s, [_LEN.pack(len(view)), view])
+                _send_while_taken(s, [_LEN.pack(len(view)), view], self.timeout_s)
             except TimeoutError as e:
                 raise TimeoutError(
-                    f"pyasync: rank {dst} did not take a {len(view)}-byte message on flow {flow} for "
-                    f"{self.timeout_s:g} s (is it alive? stopped? a receiver that stopped reading?)"
+                    f"pyasync: rank {dst} did not take a {len(view)}-byte message on flow {flow}, nor any "
+                    f"byte queued before it, for {self.timeout_s:g} s (is it alive? stopped? a receiver "
+                    "that stopped reading?)"
                 ) from e
             except OSError as e:
                 if self._closed:
@@ -331,12 +594,19 @@ class TcpTransport(Heartbeats, Transport):
             while True:
                 if self._closed:
                     raise TransportClosed("the transport was closed")
-                for key, _ in sel.select():
+                ready = [key for key, _ in sel.select()]
+                if any(key.data is None for key in ready):  # the wake-up pipe
+                    raise TransportClosed("the transport was closed")
+                # Round robin over the ready peers, from the one after the peer served last (Note [Fair
+                # intake] in pyasync/engine/intake.py): the selector lists them in the same order at
+                # every call, so "the first ready one" would serve one sender and starve the others.
+                last = self._served[flow]
+                ready.sort(key=lambda key: (key.data <= last, key.data))
+                for key in ready:
                     peer = key.data
-                    if peer is None:  # the wake-up pipe
-                        raise TransportClosed("the transport was closed")
                     try:
                         if self._read_one(key.fileobj, peer, flow, buf):
+                            self._served[flow] = peer
                             return peer
                     except PeerFailure as e:
                         if self.on_lost is None or self._closed:
