@@ -143,6 +143,7 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
     tp_old = old.transport
     gone = set(lost)
     epoch = opt._epoch
+    meet.bound_store(st, opt._timeout)  # Note [A bounded store] in engine/meet.py
     try:
         while True:
             epoch += 1
@@ -166,16 +167,22 @@ def change_epoch(opt: DistributedOptimizer) -> EpochChange:
             if not died:
                 break
             gone |= set(died)
+        lost = [g for g in old_globals if g not in members]
+        lost_old = [old_globals.index(g) for g in lost]
+
+        # 3. A fresh group of the members (through the store too).
+        group = dist.new_group(
+            ranks=members, timeout=opt._timeout, backend="gloo", use_local_synchronization=True
+        )
+    except Exception as e:  # the store failed: name its host, and say where it must live
+        err = meet.store_failure(e, f"the change to membership epoch {epoch}", opt._group, opt._timeout)
+        if err is None:
+            raise
+        old._sticky(err)
+        raise err from e
     finally:
         if tp_old is not None:
             tp_old.close()
-    lost = [g for g in old_globals if g not in members]
-    lost_old = [old_globals.index(g) for g in lost]
-
-    # 3. A fresh group of the members.
-    group = dist.new_group(
-        ranks=members, timeout=opt._timeout, backend="gloo", use_local_synchronization=True
-    )
     m = len(members)
     new_rank = members.index(me)
 

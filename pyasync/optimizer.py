@@ -35,7 +35,7 @@ from pyasync.engine.agree import AgreementError, check_agreement
 from pyasync.engine.buckets import compute_bucket_assignment_by_size
 from pyasync.engine.collective import CollectiveEngine
 from pyasync.engine.engine import Engine
-from pyasync.engine.meet import collective_failure, control_group, gave_up, global_ranks, join
+from pyasync.engine.meet import collective_failure, control_group, gave_up, global_ranks, join, settle
 from pyasync.engine.rule import UpdateRule
 from pyasync.engine.shards import build_layout
 from pyasync.engine.stats import Stats
@@ -57,6 +57,12 @@ def _destroy(group) -> None:
         warnings.warn(
             f"pyasync: could not destroy the optimizer's gloo group: {e}", RuntimeWarning, stacklevel=3
         )
+
+
+def _stop_transport(tp, err: BaseException) -> None:
+    """A construction that fails: close the transport, telling the peers why and whom it names."""
+    if isinstance(tp, Transport):
+        tp.abort(f"{type(err).__name__}: {err}", list(getattr(err, "ranks", ()) or ()))
 
 
 def _tell_peers(process_group, timeout, e: BaseException) -> None:
@@ -248,7 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
 
         # Meet (bounded, naming who is missing), then the optimizer's own group, transport, agreement and
-        # rank 0's values: collectives in the training thread, before any engine thread starts.
+        # rank 0's values: collectives in the training thread, before any engine thread starts. Then
+        # every rank meets once more, failed or not (Note [Failing together at construction]).
         self._control = None
         tp = None
         if self._world > 1:
@@ -257,28 +264,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._job = (keys[0].rsplit("/", 1)[0] if keys else "pyasync/job").replace(
                 "join", "membership", 1
             )
+            failed: BaseException | None = None
             try:
-                self._control = control_group(process_group, timeout)
-            except Exception as e:  # the others may have given up just as this rank met them
-                raise (gave_up(keys, what) or e) from e
-            try:
+                try:
+                    self._control = control_group(process_group, timeout)
+                except Exception as e:  # the others may have given up just as this rank met them
+                    raise (gave_up(keys, what) or e) from e
                 tp = (transport or TcpTransport)(self._control, timeout)
                 if not isinstance(tp, Transport):
                     raise TypeError(f"the transport factory returned a {type(tp).__name__}, not a Transport")
                 if self._elastic:
                     check_elastic_transport(tp)
-                try:
-                    check_agreement(self._agreement_items(groups), self._control)
-                    self._broadcast_initial()
-                except AgreementError:
-                    raise
-                except Exception as e:
-                    raise collective_failure(e, tp, "the startup agreement") from e
-            except BaseException:
-                if isinstance(tp, Transport):
-                    tp.abort()
-                dist.destroy_process_group(self._control)
-                raise
+                check_agreement(self._agreement_items(groups), self._control)
+                self._broadcast_initial()
+            except AgreementError as e:
+                failed = e
+            except Exception as e:
+                failed = collective_failure(e, tp if isinstance(tp, Transport) else None, what, wait=1.0)
+                if failed is not e and failed.__cause__ is None:
+                    failed.__cause__ = e
+            except BaseException as e:  # KeyboardInterrupt: tell the others, then stop
+                failed = e
+            if failed is not None:  # stop first: a peer blocked in a collective with this rank fails now
+                if self._control is not None:
+                    _destroy(self._control)
+                    self._control = None
+                if getattr(failed, "ranks", None):  # peers hear whom this rank stopped for (not for itself)
+                    _stop_transport(tp, failed)
+            err = settle(process_group, timeout, what, tp if failed is None else None, failed)
+            if err is not None:
+                _stop_transport(tp, err)
+                if self._control is not None:
+                    _destroy(self._control)
+                    self._control = None
+                if err is failed:
+                    raise err
+                raise err from (failed or err.__cause__)
 
         self._engine_args = dict(on_nonfinite=on_nonfinite, num_appliers=num_appliers, factory=transport)
         self._make_engine(tp)
