@@ -178,7 +178,7 @@ def store_failure(e: BaseException, what: str, group=None, timeout=None) -> Peer
     where = f"{tcp.host}:{tcp.port}" if tcp is not None else "(unknown address)"
     raw = str(c).strip().splitlines()[0] if str(c).strip() else type(c).__name__
     how = (
-        f"did not answer within {timeout.total_seconds():g} s"
+        f"did not answer within {2 * timeout.total_seconds() + _STORE_SLACK_S:g} s"
         if timeout is not None and "timeout" in raw.lower()
         else "closed its connection"
     )
