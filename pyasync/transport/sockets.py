@@ -1,14 +1,19 @@
-"""Byte-level helpers of the TCP transport (transport/tcp.py): whole writes and exact reads on a
-socket, with a deadline per call."""
+"""Byte-level helpers of the TCP transport (transport/tcp.py): whole writes that wait while the peer
+takes bytes (Note [Fair intake] in pyasync/engine/intake.py) and exact reads on a socket."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import select
 import socket
+import struct
+import termios
 import time
 
 import torch
 
-__all__ = ["Deadline", "as_bytes", "recv_exact", "recv_exact_into", "send_all"]
+__all__ = ["Deadline", "as_bytes", "recv_exact", "recv_exact_into", "send_while_taken", "unsent"]
 
 
 class Deadline:
@@ -31,17 +36,46 @@ def as_bytes(buf: torch.Tensor) -> memoryview:
     return memoryview(buf.view(torch.uint8).reshape(-1).numpy())
 
 
-def send_all(s: socket.socket, parts: list) -> None:
+def unsent(s: socket.socket) -> int | None:
+    """Bytes written to ``s`` that its peer has not taken yet (Linux's SIOCOUTQ); None where unknown."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def send_while_taken(s: socket.socket, parts: list, timeout_s: float) -> None:
+    """Write ``parts`` whole to ``s`` (a socket with a timeout, so its descriptor is non-blocking).
+    Bytes go out as soon as there is any room, not only once a third of the send buffer is free (when
+    Linux wakes a blocked writer); without room it looks again every 50 ms. It fails after ``timeout_s``
+    without a byte written only if the peer took none of this connection's queued bytes meanwhile: a
+    receiver that keeps reading this connection, however slowly, never cuts a send short (Note [Fair
+    intake] in pyasync/engine/intake.py)."""
     views = [memoryview(p).cast("B") for p in parts]
+    poller = select.poll()
+    poller.register(s, select.POLLOUT)
+    deadline = queued = None  # while waiting for room: when it fails, and the bytes the peer had not taken
     while views:
-        sent = s.sendmsg(views)
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        try:
+            sent = os.writev(s.fileno(), views)
+        except BlockingIOError:
+            sent = 0
+        if sent:
+            deadline = None
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            continue
+        now, left = time.monotonic(), unsent(s)
+        if deadline is None or (left is not None and queued is not None and left < queued):
+            deadline, queued = now + timeout_s, left  # waiting starts, or the peer took bytes: again
+        elif now >= deadline:
+            raise TimeoutError(f"no room for {timeout_s:g} s and the peer took none of {queued} bytes")
+        poller.poll(max(1, min(50, int((deadline - now) * 1000))))
 
 
 def recv_exact(s: socket.socket, n: int) -> bytes:

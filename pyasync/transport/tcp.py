@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import logging
 import os
 import secrets
@@ -59,7 +58,6 @@ import select
 import selectors
 import socket
 import struct
-import termios
 import threading
 import time
 
@@ -70,7 +68,7 @@ from pyasync.errors import PeerFailure
 from pyasync.transport.base import FLOWS, Handle, Transport, TransportClosed
 from pyasync.transport.frames import FrameRing
 from pyasync.transport.heartbeats import _LEN, HEARTBEAT, Heartbeats
-from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into
+from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into, send_while_taken
 
 __all__ = ["TcpTransport", "TransportClosed"]
 
@@ -84,48 +82,6 @@ _PENDING_MAX = 64  # handshakes awaited at once at set-up; beyond, the oldest co
 _LOGGED_MAX = 16  # refused set-up connections logged one by one (then only counted)
 
 _log = logging.getLogger("pyasync")
-
-
-def _unsent(s: socket.socket) -> int | None:
-    """Bytes written to ``s`` that its peer has not taken yet (Linux's SIOCOUTQ); None where unknown."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-    except (OSError, AttributeError, ValueError):
-        return None
-
-
-def _send_while_taken(s: socket.socket, parts: list, timeout_s: float) -> None:
-    """Write ``parts`` whole to ``s`` (a socket with a timeout, so its descriptor is non-blocking).
-    Bytes go out as soon as there is any room, not only once a third of the send buffer is free (when
-    Linux wakes a blocked writer); without room it looks again every 50 ms. It fails after ``timeout_s``
-    without a byte written only if the peer took none of this connection's queued bytes meanwhile: a
-    receiver that keeps reading this connection, however slowly, never cuts a send short (Note [Fair
-    intake] in pyasync/engine/intake.py)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    poller = select.poll()
-    poller.register(s, select.POLLOUT)
-    deadline = queued = None  # while waiting for room: when it fails, and the bytes the peer had not taken
-    while views:
-        try:
-            sent = os.writev(s.fileno(), views)
-        except BlockingIOError:
-            sent = 0
-        if sent:
-            deadline = None
-            while sent and views:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-            continue
-        now, unsent = time.monotonic(), _unsent(s)
-        if deadline is None or (unsent is not None and queued is not None and unsent < queued):
-            deadline, queued = now + timeout_s, unsent  # waiting starts, or the peer took bytes: again
-        elif now >= deadline:
-            raise TimeoutError(f"no room for {timeout_s:g} s and the peer took none of {queued} bytes")
-        poller.poll(max(1, min(50, int((deadline - now) * 1000))))
 
 
 class _Done(Handle):
@@ -546,7 +502,7 @@ class TcpTransport(Heartbeats, Transport):
         view = as_bytes(buf)
         with self._locks[(flow, dst)]:
             try:
-                _send_while_taken(s, [_LEN.pack(len(view)), view], self.timeout_s)
+                send_while_taken(s, [_LEN.pack(len(view)), view], self.timeout_s)
             except TimeoutError as e:
                 raise TimeoutError(
                     f"pyasync: rank {dst} did not take a {len(view)}-byte message on flow {flow}, nor any "
