@@ -199,6 +199,58 @@ def test_sigkill_of_rank_0_of_4(policy, point, tmp_path):
     _run_kill(policy, point, 4, 0, tmp_path)
 
 
+def _killed_after_a_slow_reader(rank, world, policy, point, victim, ready, seen, tmp, left, pid):
+    """``_killed``, with rank 2 slow to read the keys of the constructor's last meeting: it reads them
+    only once the victim (the store's host) has returned from its constructor and died (or 5 s later,
+    when the victim is still in its constructor: Note [The store's host leaves last])."""
+    import pyasync.engine.meet as meet
+    import pyasync.optimizer as optimizer_mod
+
+    if rank == victim:
+        pid.value = os.getpid()
+        settle = optimizer_mod.settle
+
+        def settle_then_say(*a, **k):
+            out = settle(*a, **k)
+            left.set()
+            return out
+
+        optimizer_mod.settle = settle_then_say
+    elif rank == 2:
+        wait_keys = meet._wait_keys
+
+        def read_late(st, keys, timeout, look=None, **k):
+            if getattr(look, "__qualname__", "") == "settle.<locals>.look" and left.wait(5):
+                wait_state(value_of(pid), "ZX", HARNESS_S)
+            return wait_keys(st, keys, timeout, look, **k)
+
+        meet._wait_keys = read_late
+    return _killed(rank, world, policy, point, victim, ready, seen, tmp)
+
+
+def test_the_store_host_leaves_construction_last(tmp_path):
+    """Rank 0 hosts the store and dies at its third step while rank 2 still reads the construction's
+    keys: without the host waiting for every reader, rank 2's constructor failed (the store gone) while
+    the others' returned (a CI run of test_sigkill_of_rank_0_of_4)."""
+    world, victim, codes = 4, 0, []
+    c = ctx()
+    args = (
+        "asp",
+        "backward",
+        victim,
+        c.Semaphore(0),
+        c.Barrier(world - 1),
+        str(tmp_path),
+        c.Event(),
+        c.Value("i", 0),
+    )
+    res = run_workers(
+        _killed_after_a_slow_reader, world, args=args, timeout=HARNESS_S, may_die=(victim,), exitcodes=codes
+    )
+    for rec in _check_survivors(res, codes, victim):
+        assert _peer_failure_naming(rec["error"], victim), rec
+
+
 # -- exit without close() -------------------------------------------------------------------------------
 
 _KEEP: list = []  # what a rank keeps alive until its interpreter exits

@@ -187,9 +187,7 @@ def store_failure(e: BaseException, what: str, group=None, timeout=None) -> Peer
     if host is not None:
         members = global_ranks(group) if dist.is_initialized() else [host]
         ranks = [members.index(host)] if host in members else []
-        who = (
-            f"hosted by the process of rank {host}, which is stopped, hung or dead, and the store with it"
-        )
+        who = f"hosted by the process of rank {host}, which is stopped, hung or dead, and the store with it"
     else:
         who = "hosted outside the workers, which is stopped, hung, dead or unreachable"
     err = PeerFailure(
@@ -292,9 +290,9 @@ def _text(v: str) -> str:
     return rest if head.startswith("[") else v
 
 
-def _wait_keys(st, keys: list[str], timeout: datetime.timedelta, look=None) -> list[int]:
+def _wait_keys(st, keys: list[str], timeout: datetime.timedelta, look=None, poll: float = 0.1) -> list[int]:
     """Wait (at most ``timeout``) for every key; the ranks whose key is missing then (empty: all came).
-    ``look(missing)``, called every 0.1 s while keys are missing, may end the wait by raising."""
+    ``look(missing)``, called every ``poll`` s while keys are missing, may end the wait by raising."""
     if look is None:
         try:
             st.wait(keys, timeout)
@@ -313,7 +311,7 @@ def _wait_keys(st, keys: list[str], timeout: datetime.timedelta, look=None) -> l
         if left <= 0:
             return missing
         # Polling the keys (check) rather than a short st.wait: torch logs every wait that times out.
-        time.sleep(min(left, 0.1))
+        time.sleep(min(left, poll))
 
 
 def _named(st, keys: list[str], skip: list[int]) -> list[int]:
@@ -380,7 +378,10 @@ def settle(group, timeout: datetime.timedelta, what: str, transport, failed: Bas
                     "s (late, hung or dead)",
                     missing,
                 )
-            return gave_up(keys, what)
+            err = gave_up(keys, what)
+            if err is None:
+                _leave_last(st, keys, ranks, timeout, transport)
+            return err
         st.set(keys[me], (_FAILED + _describe(failed))[:4000])
         if isinstance(failed, PeerFailure) and failed.ranks:
             return failed
@@ -406,6 +407,34 @@ def settle(group, timeout: datetime.timedelta, what: str, transport, failed: Bas
         return e
     except Exception as e:
         return store_failure(e, what, group, timeout) or failed or e
+
+
+def _leave_last(st, keys: list[str], ranks: list[int], timeout: datetime.timedelta, transport) -> None:
+    """After a settled construction: the store's host returns only once every rank is done reading the
+    meeting's keys (at most ``timeout``; at once when a rank's connection ends).
+
+    Note [The store's host leaves last]
+        The ranks read the others' keys by polling, and a rank that saw every key returns and trains.
+        When its process also hosts the store (rank 0, unless torchrun's agent or ``pyasync.store``
+        hosts it) and it dies a few steps later, a rank still reading the keys lost the store and
+        raised from its constructor (a CI run of test_sigkill_of_rank_0_of_4: rank 2 slower to read,
+        rank 0 dead at its third step), so one constructor failed while the others returned. Each rank
+        counts itself done; the last one to count sets a key the host waits for. Best effort: a rank
+        that dies after it read the keys is the first step's to report, not the constructor's."""
+    done = f"{keys[0].rsplit('/', 1)[0]}/done"
+    try:
+        if st.add(done, 1) >= len(ranks):
+            st.set(done + "/all", _OK)
+        if StoreHost.rank != dist.get_rank():
+            return
+
+        def look(_missing: list[int]) -> None:
+            if transport is not None and transport.probe():
+                raise PeerFailure("pyasync: a rank's connection ended", [])
+
+        _wait_keys(st, [done + "/all"], timeout, look, poll=0.01)
+    except Exception:  # best effort: the first step names whoever failed
+        pass
 
 
 def gave_up(keys: list[str], what: str) -> PeerFailure | None:
