@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "pyasync/common.h"
@@ -20,7 +21,10 @@ namespace {
 // The shard is cut into tiles of kTile elements. Each tile is done in two passes over an L1-resident
 // buffer: (1) gather: g = dense_scale * dense + grad_scale * decode(payload), specialised on the codec
 // and on which terms are present; (2) step: the optimizer update of math/optim.h, specialised on the
-// optimizer. Both passes are branch-free inner loops that the compiler vectorises, and the two
+// optimizer. With delay compensation on (dc_lambda > 0) a third pass sits between them,
+// g = math::dc_compensate(g, lambda, param, dc_held) over the same tile (See Note [Delay compensation]);
+// it is chosen once per call, so with dc_lambda == 0 the loop is today's two passes and dc_held is
+// never read. All passes are branch-free inner loops that the compiler vectorises, and the two
 // dispatches are made once per call (function pointers chosen outside the loop), so the number of
 // instantiations is the sum of the two axes, not their product. Blockwise codecs (int8, sign) walk
 // the tile in segments that lie inside one scale block, so the scale is a loop constant and no
@@ -123,6 +127,12 @@ void gather(const ApplyParams& p, int64_t b, int64_t e, float* g) {
   }
 }
 
+// g[j] = g[j] + lambda * g[j] * g[j] * (w[j] - held[j]) on one tile: See Note [Delay compensation].
+void compensate(float lambda, const float* __restrict w, const float* __restrict held, float* __restrict g,
+                int64_t m) {
+  for (int64_t j = 0; j < m; ++j) g[j] = math::dc_compensate(g[j], lambda, w[j], held[j]);
+}
+
 // SGD without momentum: the local copy with momentum == 0 lets the compiler drop the buffer branch.
 void step_sgd_plain(const OptimParams& o_in, const float* __restrict g, float* __restrict p, float*, float*,
                     int64_t m) {
@@ -198,6 +208,8 @@ void check(const ApplyParams& p) {
   } else if (p.opt.momentum != 0.0f) {
     PYASYNC_CHECK_ARG(p.state1 != nullptr || g.n == 0, "apply: SGD with momentum needs a momentum buffer");
   }
+  PYASYNC_CHECK_ARG(std::isfinite(p.dc_lambda) && p.dc_lambda >= 0.0f, "apply: dc_lambda must be finite and >= 0");
+  PYASYNC_CHECK_ARG(p.dc_lambda == 0.0f || p.dc_held != nullptr || g.n == 0, "apply: dc_lambda > 0 needs dc_held");
 }
 
 }  // namespace
@@ -214,6 +226,8 @@ void apply_cpu(const ApplyParams& p) {
   float* const param = p.param;
   float* const s1 = p.state1;
   float* const s2 = p.state2;
+  const float dc_lambda = p.dc_lambda;
+  const float* const dc_held = dc_lambda != 0.0f ? p.dc_held : nullptr;  // null: no compensation pass
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float g[kTile];
@@ -222,6 +236,7 @@ void apply_cpu(const ApplyParams& p) {
       const int64_t b = t * kTile;
       const int64_t e = std::min(n, b + kTile);
       gather_fn(p, b, e, g);
+      if (dc_held != nullptr) compensate(dc_lambda, param + b, dc_held + b, g, e - b);
       step_fn(p.opt, g, param + b, s1 ? s1 + b : nullptr, s2 ? s2 + b : nullptr, e - b);
     }
   }

@@ -2,6 +2,7 @@
 // and Note [CUDA apply] below.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "common.cuh"
@@ -15,8 +16,10 @@ namespace pyasync {
 namespace {
 
 // Note [CUDA apply]
-// One grid-stride elementwise kernel per (codec, optimizer): 5 x 2 instantiations. Whether a dense
-// term and a payload are present, and the optimizer's flags, are uniform runtime branches (every
+// One grid-stride elementwise kernel per (codec, optimizer, delay compensation): 5 x 2 x 2
+// instantiations. Delay compensation is the template flag kDC (See Note [Delay compensation]), so
+// the kDC = false kernels are the kernels without it: no dc_held load, no extra registers. Whether a
+// dense term and a payload are present, and the optimizer's flags, are uniform runtime branches (every
 // thread takes the same side, so they cost no divergence). When every pointer is aligned for it,
 // threads move kVec = 4 elements per iteration with 16-byte fp32 loads and stores (8-byte fp16/bf16,
 // 4-byte int8 code loads); the elements past the last full vector, or all of them when some pointer
@@ -97,7 +100,7 @@ __device__ __forceinline__ float dense_term(float ds, float d, float x, bool add
 
 constexpr bool blockwise(Codec c) { return c == Codec::kInt8 || c == Codec::kSign; }
 
-template <Codec C, OptimKind K>
+template <Codec C, OptimKind K, bool kDC>
 __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, int64_t nvec) {
   const int64_t n = p.grad.n;
   const bool payload = p.grad.codes != nullptr;
@@ -137,6 +140,12 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
     float pa[kVec] = {pv.x, pv.y, pv.z, pv.w};
     float ma[kVec] = {s1.x, s1.y, s1.z, s1.w};
     float va[kVec] = {s2.x, s2.y, s2.z, s2.w};
+    if constexpr (kDC) {
+      const float4 h = __ldg(reinterpret_cast<const float4*>(p.dc_held) + v);
+      const float ha[kVec] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) g[j] = math::dc_compensate(g[j], p.dc_lambda, pa[j], ha[j]);
+    }
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       if constexpr (K == OptimKind::kAdam) {
@@ -158,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
     }
     if (dense) g = dense_term(p.dense_scale, p.dense[i], g, payload);
     float pi = p.param[i];
+    if constexpr (kDC) g = math::dc_compensate(g, p.dc_lambda, pi, __ldg(p.dc_held + i));
     float m = has_s1 ? p.state1[i] : 0.0f;
     float vv = K == OptimKind::kAdam ? p.state2[i] : 0.0f;
     if constexpr (K == OptimKind::kAdam) {
@@ -173,19 +183,30 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
 
 bool aligned(const void* ptr, uintptr_t bytes) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+template <Codec C, bool kDC>
+void launch_for_optimizer(const ApplyParams& p, int64_t nvec, int blocks, cudaStream_t stream) {
+  if (p.opt.kind == OptimKind::kAdam) {
+    apply_kernel<C, OptimKind::kAdam, kDC><<<blocks, kThreads, 0, stream>>>(p, nvec);
+  } else {
+    apply_kernel<C, OptimKind::kSGD, kDC><<<blocks, kThreads, 0, stream>>>(p, nvec);
+  }
+  PYASYNC_CUDA_CHECK_LAUNCH();
+}
+
 template <Codec C>
 void launch(const ApplyParams& p, cudaStream_t stream) {
   const int64_t n = p.grad.n;
+  const bool dc = p.dc_lambda != 0.0f;
   const bool vec_ok = aligned(p.param, 16) && aligned(p.state1, 16) && aligned(p.state2, 16) &&
-                      aligned(p.dense, 16) && aligned(p.grad.codes, sizeof(typename Codes<C>::vec));
+                      aligned(p.dense, 16) && aligned(p.grad.codes, sizeof(typename Codes<C>::vec)) &&
+                      (!dc || aligned(p.dc_held, 16));
   const int64_t nvec = vec_ok ? n / kVec : 0;
   const int blocks = grid_for(nvec > 0 ? nvec : n);
-  if (p.opt.kind == OptimKind::kAdam) {
-    apply_kernel<C, OptimKind::kAdam><<<blocks, kThreads, 0, stream>>>(p, nvec);
+  if (dc) {
+    launch_for_optimizer<C, true>(p, nvec, blocks, stream);
   } else {
-    apply_kernel<C, OptimKind::kSGD><<<blocks, kThreads, 0, stream>>>(p, nvec);
+    launch_for_optimizer<C, false>(p, nvec, blocks, stream);
   }
-  PYASYNC_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
@@ -202,6 +223,8 @@ void apply_cuda(const ApplyParams& p, StreamHandle stream) {
     PYASYNC_CHECK_ARG(p.state1 != nullptr && p.state2 != nullptr, "apply: Adam needs state1 and state2");
   else if (p.opt.momentum != 0.0f)
     PYASYNC_CHECK_ARG(p.state1 != nullptr, "apply: SGD with momentum needs a momentum buffer");
+  PYASYNC_CHECK_ARG(std::isfinite(p.dc_lambda) && p.dc_lambda >= 0.0f, "apply: dc_lambda must be finite and >= 0");
+  PYASYNC_CHECK_ARG(p.dc_lambda == 0.0f || p.dc_held != nullptr, "apply: dc_lambda > 0 needs dc_held");
   const cudaStream_t s = as_stream(stream);
   PYASYNC_DISPATCH_INLINE_CODEC(g.codes == nullptr ? Codec::kNone : g.codec, return launch<C>(p, s));
 }

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -90,7 +91,8 @@ pyasync::DecodeParams decode_params(int32_t codec, addr codes, addr scales, addr
 
 pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_t n, int32_t block,
                                   float grad_scale, addr dense, float dense_scale, addr param, addr state1,
-                                  addr state2, const py::dict& opt, int32_t num_threads) {
+                                  addr state2, const py::dict& opt, float dc_lambda, addr dc_held,
+                                  int32_t num_threads) {
   PYASYNC_CHECK_ARG(codec != static_cast<int32_t>(Codec::kTopK),
                     "apply does not decode top-k; scatter it into `dense` first");
   pyasync::Payload g = make_payload(codec, codes, scales, 0, n, 0, block);
@@ -123,8 +125,20 @@ pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_
     PYASYNC_CHECK_ARG(state1 != 0, "SGD with momentum needs a momentum buffer (state1)");
   if (o.kind == pyasync::OptimKind::kAdam) PYASYNC_CHECK_ARG(state1 != 0 && state2 != 0, "Adam needs state1 and state2");
   PYASYNC_CHECK_ARG(param != 0, "apply needs a parameter shard");
-  return pyasync::ApplyParams{g,          grad_scale,       ptr<const float>(dense), dense_scale, ptr<float>(param),
-                              ptr<float>(state1), ptr<float>(state2), o,          num_threads};
+  PYASYNC_CHECK_ARG(std::isfinite(dc_lambda) && dc_lambda >= 0.0f,
+                    "dc_lambda must be finite and >= 0 (0 turns delay compensation off)");
+  PYASYNC_CHECK_ARG(dc_lambda == 0.0f || dc_held != 0, "dc_lambda > 0 needs dc_held (the pusher's weights)");
+  return pyasync::ApplyParams{g,
+                              grad_scale,
+                              ptr<const float>(dense),
+                              dense_scale,
+                              ptr<const float>(dc_held),
+                              dc_lambda,
+                              ptr<float>(param),
+                              ptr<float>(state1),
+                              ptr<float>(state2),
+                              o,
+                              num_threads};
 }
 
 #if defined(PYASYNC_WITH_CUDA)
@@ -212,7 +226,7 @@ PYBIND11_MODULE(_C, m) {
 #define PYASYNC_APPLY_ARGS                                                                                       \
   py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("block"), py::arg("grad_scale"), \
       py::arg("dense"), py::arg("dense_scale"), py::arg("param"), py::arg("state1"), py::arg("state2"),       \
-      py::arg("opt"), py::arg("num_threads")
+      py::arg("opt"), py::arg("dc_lambda"), py::arg("dc_held"), py::arg("num_threads")
 
   def_kernel(m, "flatten_cpu", "flatten_cuda", &flatten_params, PYASYNC_LAUNCHERS(flatten), PYASYNC_FLATTEN_ARGS);
   def_kernel(m, "unflatten_cpu", "unflatten_cuda", &unflatten_params, PYASYNC_LAUNCHERS(unflatten),

@@ -2,14 +2,17 @@
 
 An owner turns a push (or the sum of several) into one optimizer update of its shard, reading the
 encoded payload directly: per element ``g = dense_scale * dense + grad_scale * decode(payload)``, then
-the torch.optim step (see Note [Fused apply] in csrc/include/pyasync/math/optim.h). Codecs none, fp16,
-bf16, int8 and sign are decoded inside the kernel; top-k is first scattered into a dense fp32 scratch
-(:func:`pyasync.ops.codecs.decode`) and then applied as a dense gradient. Everything is updated in
-place; on CUDA the kernel runs on the current stream. The pure-torch twin is
-:mod:`pyasync.reference.apply`.
+the torch.optim step (see Note [Fused apply] in csrc/include/pyasync/math/optim.h), optionally after
+DC-ASGD delay compensation ``g += dc_lambda * g * g * (param - dc_held)`` (Note [Delay compensation],
+same header). Codecs none, fp16, bf16, int8 and sign are decoded inside the kernel; top-k is first
+scattered into a dense fp32 scratch (:func:`pyasync.ops.codecs.decode`) and then applied as a dense
+gradient. Everything is updated in place; on CUDA the kernel runs on the current stream. The
+pure-torch twin is :mod:`pyasync.reference.apply` (without delay compensation, for now).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -89,6 +92,56 @@ def check_gradient(
                 )
     if scratch is not None and dense is not None and overlaps(scratch, dense):
         raise ValueError("scratch and dense share memory; pass a separate scratch buffer")
+
+
+def check_dc(
+    dc_lambda: float,
+    dc_held: torch.Tensor | None,
+    param: torch.Tensor,
+    state: dict,
+    scratch: torch.Tensor | None,
+    validate: bool,
+) -> bool:
+    """Validate the delay-compensation arguments; True when compensation is on (dc_lambda > 0).
+
+    dc_lambda is always checked (a hyperparameter); dc_held's tensor properties only with ``validate``
+    (its presence always, since the kernel would read it). Raises TypeError/ValueError naming the
+    argument and what is allowed.
+    """
+    if isinstance(dc_lambda, bool) or not isinstance(dc_lambda, (int, float)):
+        raise TypeError(f"dc_lambda must be a float, got {type(dc_lambda).__name__} ({dc_lambda!r})")
+    lam = float(dc_lambda)
+    if not (math.isfinite(lam) and lam >= 0.0):
+        raise ValueError(
+            f"dc_lambda must be a finite float >= 0 (0 turns delay compensation off), got {dc_lambda!r}"
+        )
+    if dc_held is None:
+        if lam > 0.0:
+            raise ValueError(
+                "dc_lambda > 0 needs dc_held= (the n fp32 weights the pushing worker held when it "
+                "computed the gradient); pass dc_held or dc_lambda=0.0"
+            )
+        return False
+    if validate:
+        if not isinstance(dc_held, torch.Tensor):
+            raise TypeError(f"dc_held must be a torch.Tensor or None, got {type(dc_held).__name__}")
+        n, device = param.numel(), param.device
+        if dc_held.dtype != torch.float32:
+            raise ValueError(f"dc_held must be fp32 (torch.float32) like param, got {dc_held.dtype}")
+        if dc_held.device != device:
+            raise ValueError(f"dc_held is on {dc_held.device} but param is on {device}; move it first")
+        if not dc_held.is_contiguous():
+            raise ValueError("dc_held must be contiguous; call .contiguous() first")
+        if dc_held.numel() != n:
+            raise ValueError(f"dc_held must have {n} elements (as param), got {dc_held.numel()}")
+        written = {"param": param, **state, **({"scratch": scratch} if scratch is not None else {})}
+        for name, w in written.items():
+            if overlaps(dc_held, w):
+                raise ValueError(
+                    f"dc_held and {name} share memory; pass a copy of the held weights (the apply "
+                    f"writes {name})"
+                )
+    return lam > 0.0
 
 
 def check_sgd(
@@ -173,7 +226,11 @@ def _apply(
     opt: dict,
     num_threads: int | None,
     validate: bool = True,
+    dc_lambda: float = 0.0,
+    dc_held: torch.Tensor | None = None,
 ) -> None:
+    """Launch one apply; dc_held is passed only when dc_lambda > 0 (checked by the caller), so a call
+    without compensation is today's kernel path (Note [Delay compensation])."""
     nt = check_num_threads(num_threads)
     n = param.numel()
     if n == 0:
@@ -211,6 +268,8 @@ def _apply(
         state1=addr(state1),
         state2=addr(state2),
         opt=opt,
+        dc_lambda=float(dc_lambda) if dc_held is not None else 0.0,
+        dc_held=addr(dc_held),
         num_threads=nt,
     )
 
@@ -233,6 +292,8 @@ def sgd_apply(
     scratch: torch.Tensor | None = None,
     num_threads: int | None = None,
     validate: bool = True,
+    dc_lambda: float = 0.0,
+    dc_held: torch.Tensor | None = None,
 ) -> None:
     """One torch.optim.SGD step on ``param`` in place, from
     ``g = dense_scale * dense + grad_scale * decode(payload)`` (either term may be absent, not both).
@@ -247,10 +308,18 @@ def sgd_apply(
     validate: False skips the checks of the tensors and the payload (the hyperparameters are always
     checked): for callers whose tensors are their own and whose payload was validated where it came in
     (the engine: its own encoder, or the wire).
+    dc_lambda: DC-ASGD delay compensation (Zheng et al. 2017), a float >= 0; 0 (the default) is off and
+    exactly the apply without it. When > 0 the step uses ``g + dc_lambda * g * g * (param - dc_held)``
+    elementwise instead of ``g``, with g the decoded, scaled gradient above, taken before maximize and
+    weight decay (see Note [Delay compensation] in csrc/include/pyasync/math/optim.h).
+    dc_held: n fp32 (contiguous, on param's device, sharing no memory with param, state or scratch): the
+    weights the pushing worker held when it computed the gradient; required when dc_lambda > 0,
+    ignored (not read) when dc_lambda == 0.
     """
     state = check_sgd(lr, momentum, dampening, nesterov, weight_decay, maximize, first_step, momentum_buffer)
     if validate:
         check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    dc = check_dc(dc_lambda, dc_held, param, state, scratch, validate)
     opt = {
         "kind": "sgd",
         "lr": float(lr),
@@ -273,6 +342,8 @@ def sgd_apply(
         opt,
         num_threads,
         validate,
+        dc_lambda if dc else 0.0,
+        dc_held if dc else None,
     )
 
 
@@ -296,11 +367,14 @@ def adam_apply(
     scratch: torch.Tensor | None = None,
     num_threads: int | None = None,
     validate: bool = True,
+    dc_lambda: float = 0.0,
+    dc_held: torch.Tensor | None = None,
 ) -> None:
     """One torch.optim.Adam step (AdamW with ``decoupled_weight_decay=True``; amsgrad=False) on
     ``param`` in place, from ``g = dense_scale * dense + grad_scale * decode(payload)``.
 
-    param, payload, dense, grad_scale, dense_scale, scratch, num_threads, validate: as :func:`sgd_apply`.
+    param, payload, dense, grad_scale, dense_scale, scratch, num_threads, validate, dc_lambda, dc_held:
+    as :func:`sgd_apply` (the compensated g enters Adam's moments; AdamW's decay acts on param as usual).
     lr, beta1, beta2, eps, weight_decay, maximize: as torch.optim.Adam (betas=(beta1, beta2)).
     step: the 1-based step count after this update (torch's state["step"] after its increment);
     the bias corrections are computed from it in double, as torch does.
@@ -311,6 +385,7 @@ def adam_apply(
     )
     if validate:
         check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    dc = check_dc(dc_lambda, dc_held, param, state, scratch, validate)
     step_size, bias_correction2_sqrt = adam_scalars(float(lr), float(beta1), float(beta2), step)
     opt = {
         "kind": "adam",
@@ -336,4 +411,6 @@ def adam_apply(
         opt,
         num_threads,
         validate,
+        dc_lambda if dc else 0.0,
+        dc_held if dc else None,
     )

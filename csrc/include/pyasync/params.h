@@ -109,13 +109,16 @@ struct OptimParams {
   float decay_factor;           // AdamW: 1 - lr * weight_decay
 };
 
-// One optimizer step on an fp32 shard from g = dense_scale * dense + grad_scale * decode(grad).
+// One optimizer step on an fp32 shard from g = dense_scale * dense + grad_scale * decode(grad),
+// delay-compensated first when dc_lambda > 0 (math/optim.h).
 // Top-k is not decoded here: the ops layer scatters it into `dense` first (see ops/apply.py).
 struct ApplyParams {
   Payload grad;         // encoded gradient (codec kTopK not allowed); grad.codes null: no payload
   float grad_scale;     // multiplies the decoded payload (e.g. 1/n, a staleness lr scale)
   const float* dense;   // nullable: an fp32 gradient (e.g. the sum of earlier pushes)
   float dense_scale;    // multiplies dense
+  const float* dc_held; // grad.n fp32: weights the pusher held when it computed g; read only if dc_lambda > 0
+  float dc_lambda;      // delay compensation, >= 0 and finite; 0: off. See Note [Delay compensation]
   float* param;         // grad.n fp32 master values, updated in place
   float* state1;        // SGD: momentum buffer (null when momentum == 0); Adam: exp_avg
   float* state2;        // Adam: exp_avg_sq; SGD: null

@@ -35,6 +35,33 @@ PYASYNC_HOST_DEVICE float fma_torch(float a, float b, float c) {
 #endif
 }
 
+// Note [Delay compensation]
+// DC-ASGD (Zheng et al. 2017, "Asynchronous SGD with delay compensation"): a push's gradient g was
+// computed at the weights w_held its worker installed, but is applied to the owner's current master
+// w_now. A first-order Taylor step of the gradient, with the Hessian replaced by its cheap diagonal
+// outer-product estimate lambda * g * g, moves g to about where it would have been at w_now:
+//   g_dc = g + lambda * g * g * (w_now - w_held)                        (elementwise)
+// - g is taken where the optimizer would take it: the decoded, scaled gradient of Note [Fused apply]
+//   (after grad_scale / dense_scale; top-k after its scatter), before maximize and weight decay.
+//   Compensation corrects the stale estimate of the loss gradient itself; weight decay's term
+//   (wd * w_now, or AdamW's decay of w_now) is already evaluated at w_now, so it has no delay to
+//   correct, and folding it in first would also put wd^2 * w^2 into the Hessian estimate. maximize
+//   then negates the compensated estimate exactly as it negates a fresh gradient.
+// - w_held is one fp32 value per element, held by the caller; with a sum of several pushes (one g,
+//   many held weights) the formula is only as good as the w_held the caller passes.
+// - Rounding: each operation is one IEEE fp32 operation in the order the formula is written, as eager
+//   torch evaluates `g + lam * g * g * (w - held)` (mul_rn / add_rn, never contracted into an FMA), so
+//   the CPU loop and the CUDA kernel both round like that expression (tests/test_apply_dc.py checks
+//   the CPU bit for bit).
+// - lambda == 0 is not "multiply by zero" (0 * inf is NaN, and g + 0 * x can turn -0 into +0): the
+//   compensation is skipped altogether, outside the element loop (a separate tile pass on the CPU,
+//   a template flag on CUDA), so the result is bit-identical to an apply without it and w_held is
+//   never read. Callers validate lambda >= 0 and finite.
+PYASYNC_HOST_DEVICE float dc_compensate(float g, float lambda, float w_now, float w_held) {
+  const float curvature = mul_rn(mul_rn(lambda, g), g);  // (lambda * g) * g
+  return add_rn(g, mul_rn(curvature, w_now - w_held));
+}
+
 // torch.optim.SGD: weight decay, momentum (buffer = grad on the first step), dampening, nesterov.
 PYASYNC_HOST_DEVICE void sgd_step(const OptimParams& o, float g, float& p, float* buf) {
   if (o.maximize) g = -g;
