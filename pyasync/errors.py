@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "NonFiniteGradientError", "PeerFailure", "ProtocolError", "WireError"]
+__all__ = [
+    "DivergedError",
+    "EngineError",
+    "NonFiniteGradientError",
+    "PeerFailure",
+    "ProtocolError",
+    "WireError",
+]
 
 
 class EngineError(RuntimeError):
@@ -20,6 +27,13 @@ class ProtocolError(WireError):
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN/Inf under ``on_nonfinite="raise"``. The push was skipped by its owners (never
     applied) and the step completed, so training may go on after handling it."""
+
+
+class DivergedError(NonFiniteGradientError):
+    """Training diverged: this rank's gradients held NaN/Inf at every one of the last
+    ``DIVERGED_STEPS`` steps (pyasync/engine/failures.py), under either ``on_nonfinite`` setting. None of
+    those pushes was applied, so the parameters are the last finite ones; the message names the policy
+    and what to change. Raised again at every later step whose gradients are still non-finite."""
 
 
 class PeerFailure(RuntimeError):

@@ -18,7 +18,7 @@ pytestmark = multiproc
 T = 12  # steps per worker
 
 
-def _onehot_run(rank, world, policy, s, delays, lr_scale_check=False):
+def _onehot_run(rank, world, policy, s, delays, lr_scale_check=False, own=None):
     import pyasync
 
     n, parts = world, 4
@@ -43,6 +43,9 @@ def _onehot_run(rank, world, policy, s, delays, lr_scale_check=False):
                         violations.append((t, w, c, got))
                     if got == 0.0:
                         seen_missing += 1
+        if own is not None:  # ASP's max_unanswered: the worker's own pushes of clocks <= t - own - 1
+            mine = flat[rank * T : rank * T + max(0, t - own)]
+            violations += [(t, rank, c, v) for c, v in enumerate(mine.tolist()) if v != 1.0]
         if delays:
             time.sleep(rng.random() * (0.03 if rank == n - 1 else 0.005))  # injected delay, rank n-1 slowest
         opt.zero_grad()
@@ -77,6 +80,24 @@ def _ssp_suite(rank, world):
         out[f"ssp{s}"] = _onehot_run(rank, world, pyasync_policy("ssp", s), s, delays=True)
     out["asp"] = _onehot_run(rank, world, "asp", None, delays=True)
     return out
+
+
+def _unanswered_suite(rank, world):
+    import pyasync
+
+    policies = {m: pyasync.ASP(max_unanswered=m) for m in (0, 1, 3)}
+    return {m: _onehot_run(rank, world, p, None, delays=True, own=m) for m, p in policies.items()}
+
+
+def test_asp_max_unanswered_bounds_the_own_pushes_a_step_may_miss():
+    """ASP(max_unanswered=m): a worker starts step t on values holding its own pushes of every clock
+    <= t - m - 1 (m = 0, the default: all of them), whatever the others do; nothing is lost."""
+    n = 3
+    res = run_workers(_unanswered_suite, n, timeout=150)
+    for m in (0, 1, 3):
+        for r, out in enumerate(res):
+            assert out[m]["violations"] == [], f"max_unanswered={m}: rank {r} missed {out[m]['violations']}"
+            assert torch.equal(out[m]["final"], torch.ones(n * T)), (m, r, out[m]["final"])
 
 
 def pyasync_policy(kind, s):

@@ -101,3 +101,37 @@ def test_on_nonfinite_rejects_other_values():
     with pytest.raises(ValueError, match="on_nonfinite must be 'skip' or 'raise'"):
         pyasync.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), on_nonfinite="ignore")
     assert not dist.is_initialized()
+
+
+def _diverging(rank, world, policy):
+    """Rank 1's loss is NaN at steps 3..22 (20 in a row), finite before and after (on_nonfinite="skip")."""
+    import pyasync
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    opt = pyasync.DistributedOptimizer(sgd, policy=policy, timeout=TIMEOUT)
+    raised = []
+    for t in range(26):
+        opt.zero_grad()
+        loss = -p.sum()
+        if rank == 1 and 3 <= t <= 22:
+            loss = loss * float("nan")
+        loss.backward()
+        try:
+            opt.step()
+        except pyasync.DivergedError as e:
+            raised.append((t, str(e)))
+    opt.close()
+    return {"raised": raised, "finite": bool(torch.isfinite(p).all())}
+
+
+@pytest.mark.parametrize("policy", ["asp", "bsp"])
+def test_a_run_whose_gradients_stay_nonfinite_raises_diverged(policy):
+    """Under "skip" too: the 20th non-finite step in a row raises DivergedError on the rank that computed
+    it, naming the policy and what to change; a finite step ends the streak; the model stays finite."""
+    res = run_workers(_diverging, 2, args=(policy,), timeout=120)
+    assert res[0]["raised"] == []
+    assert [t for t, _ in res[1]["raised"]] == [22]
+    msg = res[1]["raised"][0][1]
+    assert "diverged on rank 1" in msg and f"Policy {policy!r}" in msg and "learning rate" in msg, msg
+    assert all(r["finite"] for r in res)

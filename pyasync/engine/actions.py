@@ -12,10 +12,15 @@ __all__ = ["Action", "Answer", "Apply", "Counters", "Gate", "Release", "Sum", "U
 # -- actions -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Apply:
-    """Apply push ``item`` on its own as one update (gradient x 1/n, learning rate x ``lr_factor``)."""
+    """Apply push ``item`` on its own as one update (gradient x 1/n, learning rate x ``lr_factor``);
+    ``implicit``: the momentum the asynchrony adds (Note [Momentum correction] in pyasync/policy.py),
+    taken off the optimizer's explicit momentum (0: none)."""
 
     item: Any
     lr_factor: float = 1.0
+    implicit: float = 0.0
+    per_round: bool = False  # moments advance per round of n pushes (Note [Moments per round])
+    dc: float = 0.0  # the delay compensation's lambda (Note [Delay compensation]); 0: none
 
 
 @dataclass(frozen=True)
@@ -71,5 +76,3 @@ class Counters:
 
     def stale(self, s: int, count: int = 1) -> None:
         self.staleness[s] = self.staleness.get(s, 0) + count
-
-

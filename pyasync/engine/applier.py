@@ -40,11 +40,32 @@ class OwnedShard:
         return self.state.bucket
 
 
-def apply_push(rule: UpdateRule, sh: OwnedShard, push: Push, n: int, lr_factor: float) -> None:
-    """Apply one push as an update of its own (Apply): its gradient x 1/n, the learning rate x
-    ``lr_factor``."""
+def apply_push(
+    rule: UpdateRule,
+    sh: OwnedShard,
+    push: Push,
+    n: int,
+    lr_factor: float,
+    implicit: float = 0.0,
+    per_round: bool = False,
+    dc: tuple[float, torch.Tensor] | None = None,
+) -> None:
+    """Apply one push as an update of its own (Apply): its gradient x 1/n (Adam: its learning rate x 1/n,
+    Note [A round of pushes] in pyasync/policy.py), the learning rate x ``lr_factor``, the explicit
+    momentum less ``implicit`` (Note [Momentum correction]); ``per_round``: the optimizer's moments
+    advance per round of n pushes (Note [Moments per round]); ``dc``: (lambda, what the pushing worker
+    held of the shard), delay compensation (Note [Delay compensation])."""
+    adaptive = rule.kind == "adam"
     rule.apply(
-        sh.state, payload=push.payload, grad_scale=1.0 / n, seg_mask=list(push.mask), lr_factor=lr_factor
+        sh.state,
+        payload=push.payload,
+        grad_scale=1.0 if adaptive else 1.0 / n,
+        seg_mask=list(push.mask),
+        lr_factor=lr_factor / n if adaptive else lr_factor,
+        momentum_shift=implicit,
+        round_of=n if per_round else 1,
+        dc_lambda=dc[0] if dc is not None else 0.0,
+        dc_held=dc[1] if dc is not None else None,
     )
 
 
@@ -126,7 +147,7 @@ class Applier(threading.Thread):
     def _do(self, sh: OwnedShard, actions: list) -> None:
         for a in actions:
             if isinstance(a, rnd.Apply):
-                self._apply(sh, a.item, a.lr_factor)
+                self._apply(sh, a)
             elif isinstance(a, rnd.Sum):
                 self._sum(sh, a.item)
             elif isinstance(a, rnd.Update):
@@ -147,9 +168,12 @@ class Applier(threading.Thread):
         wait_event(push.event, dev)
         used_here(push.payload.tensors(), dev)
 
-    def _apply(self, sh: OwnedShard, push: Push, lr_factor: float) -> None:
+    def _apply(self, sh: OwnedShard, a: rnd.Apply) -> None:
+        push = a.item
         self._ready(sh, push)
-        apply_push(self.rule, sh, push, self.n, lr_factor)
+        held = self.owner.replies.held.get((sh.bucket, push.worker)) if a.dc else None
+        dc = (a.dc, held) if held is not None else None
+        apply_push(self.rule, sh, push, self.n, a.lr_factor, a.implicit, a.per_round, dc)
         self.owner.release(push)
 
     def _sum(self, sh: OwnedShard, push: Push) -> None:

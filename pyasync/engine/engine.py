@@ -276,13 +276,14 @@ class Engine(Lifecycle, EngineBase):
                     self.wait_seconds += self.clip.wait(self.cond, self._err)
                 self.grad_norm = self.clip.run()
                 self.gated_done = t
-            if self.policy.worker_waits:
+            need = t if self.policy.worker_waits else t - self._unanswered_bound()
+            if need >= 0:
                 with self.cond:
                     self.wait_seconds += wait_until(
                         self.cond,
-                        lambda: self.mailbox.all_answered(t),
+                        lambda: self.mailbox.all_answered(need),
                         self.timeout,
-                        lambda: self._missing_answers(t),
+                        lambda: self._missing_answers(need),
                         self._err,
                     )
         except PeerFailure as e:
@@ -303,6 +304,25 @@ class Engine(Lifecycle, EngineBase):
             self.step_seconds.append(now - self._step_start)
         self._step_start = now
         self._raise_nonfinite(bad, self.on_nonfinite)
+
+    def _unanswered_bound(self) -> int:
+        """How many of its pushes a worker may leave unanswered when it starts its next step (ASP's
+        ``max_unanswered``; a bound past any clock when there is none).
+
+        Note [Where staleness comes from]
+            The staleness of a push (the shard's updates between the version it was computed on and its
+            own) has three sources under ASP with n workers: the n - 1 other workers' pushes that reach
+            the owner in between (about n - 1 per round when all run at one speed); this worker's own
+            pushes still in flight (unbounded ASP starts step t + 1 as soon as step t's pushes are
+            sent, on values that do not hold them, so every push of step t + 1 is also stale by the
+            worker's own push of step t and by the others' pushes that arrived meanwhile); and a
+            straggler's pushes, computed on values n - 1 or more of everyone else's pushes old. The
+            second source doubles the median: 6-7 with 4 workers (docs/benchmarks.md, "Why asynchrony
+            hurt"). ``max_unanswered=0`` (the default) removes it: a worker waits for the answers to
+            its last push, which costs one owner's apply and one reply per step, and computes on
+            values that hold its own update."""
+        bound = getattr(self.policy, "max_unanswered", None)
+        return self.clock + 1 if bound is None else bound
 
     def max_norm_each(self) -> float | None:
         """The norm each push is clipped to (None: no per-push clipping)."""

@@ -8,9 +8,13 @@ import logging
 import threading
 
 from pyasync.engine.clock import as_raised
-from pyasync.errors import NonFiniteGradientError
+from pyasync.errors import DivergedError, NonFiniteGradientError
 
-__all__ = ["EngineBase"]
+__all__ = ["DIVERGED_STEPS", "EngineBase"]
+
+#: Steps in a row with a non-finite push after which step() raises DivergedError (Note [Saying so when
+#: a run diverges]).
+DIVERGED_STEPS = 20
 
 _log = logging.getLogger("pyasync")
 
@@ -26,6 +30,7 @@ class EngineBase:
         self.timed_out: TimeoutError | None = None  # the first timeout of a step still in flight
         self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
         self.nonfinite_logged = False
+        self.nonfinite_streak = 0  # steps in a row with a non-finite push of this rank
 
     # -- the error slot ---------------------------------------------------------------------------------
     def _err(self) -> BaseException | None:
@@ -91,6 +96,22 @@ class EngineBase:
         return bad
 
     def _raise_nonfinite(self, bad: list[tuple[int, int]], on_nonfinite: str) -> None:
+        """Raise what step ``bad``'s non-finite pushes call for (after the step completed).
+
+        Note [Saying so when a run diverges]
+            A skipped push loses one step, which a GradScaler's first steps or a rare bad batch make
+            harmless. A run whose gradients stay non-finite step after step has diverged (its loss blew
+            up, or a parameter is already inf): skipping would go on silently while the model learns
+            nothing. So after DIVERGED_STEPS such steps in a row step() raises DivergedError, under
+            "skip" too, naming the policy and the settings that bring a diverging asynchronous run back
+            (docs/benchmarks.md, "Which policy when")."""
+        self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
+        if self.nonfinite_streak >= DIVERGED_STEPS:
+            raise DivergedError(
+                f"pyasync: training diverged on rank {self.rank}: its gradients held NaN or Inf at each of "
+                f"the last {self.nonfinite_streak} steps (none of them was applied: the parameters are the "
+                f"last finite ones). {_advice(self.policy)}"
+            )
         if bad and on_nonfinite == "raise":
             raise NonFiniteGradientError(
                 "pyasync: "
@@ -98,3 +119,16 @@ class EngineBase:
                 + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
                 "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
             )
+
+
+def _advice(policy) -> str:
+    """What to change when a run under ``policy`` diverged."""
+    spec = policy.spec()
+    text = f"Policy {spec!r}: lower the learning rate, or clip gradients (max_grad_norm=...)"
+    if getattr(policy, "max_unanswered", 0) != 0:
+        text += "; bound the pushes in flight ('asp', which is 'asp:unanswered=0')"
+    if hasattr(policy, "lr_scale") and policy.lr_scale is None:
+        text += "; shrink the steps of stale pushes ('asp:delay', 'ssp:<s>:delay')"
+    if spec.startswith("ssp") or spec.startswith("asp"):
+        text += "; or bound staleness harder (a smaller SSP bound, or BSP)"
+    return text

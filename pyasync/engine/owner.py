@@ -104,6 +104,7 @@ class Owner:
             compressor=compressor,
             timeout=timeout,
             masters=masters,
+            track=float(getattr(policy, "dc", 0.0)) > 0,  # Note [Delay compensation]
         )
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()

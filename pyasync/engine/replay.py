@@ -99,7 +99,7 @@ def replay(
     def do(actions: list) -> None:
         for a in actions:
             if isinstance(a, rnd.Apply):
-                apply_push(rule, sh, a.item, world_size, a.lr_factor)
+                apply_push(rule, sh, a.item, world_size, a.lr_factor, a.implicit, a.per_round)
             elif isinstance(a, rnd.Sum):
                 add_to_aggregate(sh, a.item, divisor)
             elif isinstance(a, rnd.Update):

@@ -57,14 +57,17 @@ class ReplyFrames:
         compressor,
         timeout: datetime.timedelta,
         masters: dict[int, torch.Tensor],
+        track: bool = False,
     ) -> None:
         self.rank, self.n, self.transport, self.timeout = rank, world_size, transport, timeout
         self.comp = compressor if compressor is not None and compressor.replies else None
+        # Keep ``held`` with exact replies too: the delay compensation needs what each worker holds.
+        self.track = track
         self.rings: dict[tuple[int, int], object] = {}  # (bucket, worker) -> the transport's frames
         # (bucket, worker) -> the values that worker holds of our shard: at first the agreed parameters.
         self.held: dict[tuple[int, int], torch.Tensor] = (
             {(b, w): m.clone() for b, m in masters.items() for w in range(world_size)}
-            if self.comp is not None
+            if self.comp is not None or track
             else {}
         )
         self.scratch: dict[int, torch.Tensor] = {}  # bucket -> master - held (one applier per bucket)
@@ -141,6 +144,8 @@ class ReplyFrames:
             codec_id, block, k, flags = 0, 0, 0, 0
             if self.comp is not None and not final:
                 self.held[(bucket, w)] = master.clone()
+            elif self.track and not final:
+                self._keep(bucket, w, master)
         else:
             views = fr.views.get("coded")
             if views is None:
@@ -168,6 +173,14 @@ class ReplyFrames:
         self.transport.send_frame(fr, w, "reply", wire.HEADER_BYTES + nbytes)  # not the frame's spare room
         return wire.HEADER_BYTES + nbytes
 
+    def _keep(self, bucket: int, w: int, master: torch.Tensor) -> None:
+        """Exact replies with delay compensation: worker ``w`` now holds ``master`` (a copy, reused)."""
+        kept = self.held.get((bucket, w))
+        if kept is None or kept.numel() != master.numel():
+            self.held[(bucket, w)] = master.clone()
+        else:
+            kept.copy_(master)
+
     def _change(self, bucket: int, version: int, master: torch.Tensor, held: torch.Tensor, out=None):
         """Encode master - held into ``out`` (views of a frame, or None: fresh tensors) and add the
         decoded change to ``held``; the payload."""
@@ -192,6 +205,8 @@ class ReplyFrames:
         if held is None:
             if self.comp is not None and not final:
                 self.held[(bucket, self.rank)] = master.clone()
+            elif self.track and not final:
+                self._keep(bucket, self.rank, master)
             return master.clone()
         self._change(bucket, version, master, held)
         return held.clone()

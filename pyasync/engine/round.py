@@ -202,13 +202,17 @@ class Round:
 class PushRound(Round):
     """SSP(s) and ASP: each push is one update; answers wait as ``policy.answer_now`` says."""
 
+    stale_mean: float | None = None  # running mean of the applied pushes' staleness (momentum correction)
+
     def _on_push(self, w: int, clock: int, version: int, finite: bool, mask: tuple, item: Any) -> list:
         if not finite:
             self.c.nonfinite += 1
             out: list = [Release(item)]
         else:
             stale = self.version - version
-            out = [Apply(item, self.policy.lr_factor(stale))]
+            per_round = bool(getattr(self.policy, "round_moments", False))
+            dc = float(getattr(self.policy, "dc", 0.0)) if stale > 0 else 0.0
+            out = [Apply(item, self.policy.lr_factor(stale, self.n), self._implicit(stale), per_round, dc)]
             self.version += 1
             self.c.applied += 1
             self.c.updates += 1
@@ -218,6 +222,15 @@ class PushRound(Round):
 
     def _on_absent(self, w: int) -> list:
         return self._answer_ready()
+
+    def _implicit(self, stale: int) -> float:
+        """The implicit momentum of the pushes' staleness so far (0 when the policy does not correct)."""
+        if not getattr(self.policy, "momentum_correction", False):
+            return 0.0
+        # A running mean over about the last 64 pushes: the staleness a push sees moves with the job.
+        m = self.stale_mean
+        self.stale_mean = float(stale) if m is None else m + (stale - m) / 64
+        return self.policy.implicit_momentum(self.stale_mean)
 
     def _answer_ready(self) -> list:
         inc = self.included

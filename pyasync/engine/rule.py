@@ -146,9 +146,21 @@ class UpdateRule:
         dense: torch.Tensor | None = None,
         seg_mask: list[bool],
         lr_factor: float = 1.0,
+        momentum_shift: float = 0.0,
+        round_of: int = 1,
+        dc_lambda: float = 0.0,
+        dc_held: torch.Tensor | None = None,
     ) -> None:
         """One update of shard ``s`` from ``grad_scale * decode(payload)`` or ``dense``, on the segments
         whose ``seg_mask`` entry is True (the others are not touched, not even by weight decay).
+        ``round_of`` > 1: this update is one of a round of that many that together stand for one step
+        of the optimizer (Note [Moments per round] in pyasync/policy.py): SGD's momentum becomes its
+        ``round_of``-th root, with the gradient and the weight decay scaled to keep each gradient's
+        total displacement; Adam's betas become their ``round_of``-th roots.
+        ``momentum_shift`` is then taken off the momentum (SGD) or beta1 (Adam), down to 0 (Note
+        [Momentum correction]). ``dc_lambda`` > 0 with ``dc_held`` (what the pushing worker held of the
+        shard): delay compensation in the fused kernels (Note [Delay compensation] in
+        pyasync/policy.py). The generic rule ignores all three.
         The payload is trusted: the engine's own encoder made it, or the wire validated it."""
         n = s.master.numel()
         runs = self.runs(s, seg_mask)
@@ -166,29 +178,40 @@ class UpdateRule:
             p = payload if whole else None
             d = dense[a:z] if dense is not None else None
             scratch = s.scratch_buf()[a:z] if p is not None and p.codec == "topk" else None
+            dc = {"dc_lambda": float(dc_lambda), "dc_held": dc_held[a:z]} if dc_held is not None else {}
             if self.kind == "sgd":
                 momentum = float(grp.get("momentum", 0.0))
                 if momentum != 0.0 and s.state1 is None:
                     s.state1 = torch.zeros_like(s.master)
+                used, f = momentum, 1.0
+                if round_of > 1 and 0.0 < momentum < 1.0:
+                    used = momentum ** (1.0 / round_of)
+                    f = (1.0 - used) / (1.0 - momentum)  # a gradient's displacement: f / (1 - used)
+                used = max(0.0, used - momentum_shift) if momentum_shift else used
+                wd = float(grp.get("weight_decay", 0.0)) * (f / round_of if round_of > 1 else 1.0)
                 ops_apply.sgd_apply(
                     s.master[a:z],
                     payload=p,
-                    grad_scale=float(grad_scale),
+                    grad_scale=float(grad_scale) * f,
                     dense=d,
-                    dense_scale=1.0,
+                    dense_scale=f,
                     lr=float(grp["lr"]) * lr_factor,
-                    momentum=momentum,
+                    momentum=used,
                     dampening=float(grp.get("dampening", 0.0)),
-                    nesterov=bool(grp.get("nesterov", False)),
-                    weight_decay=float(grp.get("weight_decay", 0.0)),
+                    nesterov=bool(grp.get("nesterov", False)) and used != 0.0,
+                    weight_decay=wd,
                     maximize=bool(grp.get("maximize", False)),
-                    momentum_buffer=s.state1[a:z] if momentum != 0.0 else None,
+                    momentum_buffer=s.state1[a:z] if used != 0.0 else None,
                     first_step=steps == 0,
                     scratch=scratch,
                     validate=False,  # the engine's own tensors; payloads are checked where they come in
+                    **dc,
                 )
             else:
-                beta1, beta2 = grp["betas"]
+                beta1, beta2 = float(grp["betas"][0]), float(grp["betas"][1])
+                if round_of > 1:
+                    beta1, beta2 = beta1 ** (1.0 / round_of), beta2 ** (1.0 / round_of)
+                beta1 = max(0.0, beta1 - momentum_shift) if momentum_shift else beta1
                 ops_apply.adam_apply(
                     s.master[a:z],
                     payload=p,
@@ -207,6 +230,7 @@ class UpdateRule:
                     exp_avg_sq=s.state2[a:z],
                     scratch=scratch,
                     validate=False,
+                    **dc,
                 )
             for i in idx:
                 s.steps[i] += 1
