@@ -40,7 +40,9 @@ Note [The model]
       that answer (so no worker is more than s clocks ahead of the slowest). **ASP** answers at once,
       and the worker does not wait for it: it starts its next step when its host work is done and its
       push frames are free (at most ``--window`` pushes in flight on its link, the engine's send rings);
-      it installs the newest answer that has arrived. **Quorum(k)** applies round v at the k-th push
+      it installs the newest answer that has arrived (this is ``asp:unanswered=inf``; the engine's
+      default ``asp`` also waits for the answers to its last push, as SSP waits for its own, which
+      the model does not cover yet). **Quorum(k)** applies round v at the k-th push
       computed on version v; a push computed on an older version is dropped and answered at once with the
       newest values (the late worker catches up); a worker waits for a version newer than the one it
       pushed on. When fewer than k workers are left (closed), a round needs what can still come.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pyasync import demo as h
+from pyasync.demo import cli, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def test_parse_system(token, policy, compression, synchronous):
     "token, message",
     [
         ("sgd", "unknown policy string"),
-        ("ssp", "unknown policy string"),
+        ("ssp", "ssp needs its staleness bound"),
         ("ssp:x", "bad policy string"),
         ("quorum:5", "quorum size must be in 1..workers=4"),
         ("quorum:0", "Quorum k must be"),
@@ -210,6 +211,84 @@ def test_format_table():
     assert lines[2].split()[-1] == "20" and lines[3].split()[-1] == "20"
 
 
+def _curve(*points):
+    return [{"t": t, "samples": i, "acc": a} for i, (t, a) in enumerate(points)]
+
+
+def test_time_to_target_and_ratio_to_ddp():
+    recs = [
+        {"name": "ddp", "test_acc": 0.97, "curve": _curve((0.0, 0.1), (4.0, 0.94), (8.0, 0.95), (9.0, 0.97))},
+        {"name": "asp", "test_acc": 0.96, "curve": _curve((0.0, 0.1), (2.0, 0.96), (3.0, 0.93), (5.0, 0.96))},
+        {"name": "ssp:2", "test_acc": 0.9, "curve": _curve((0.0, 0.1), (9.0, 0.9))},
+    ]
+    report.add_time_to_target(recs, 0.95)
+    assert [r["target_acc"] for r in recs] == [0.95] * 3
+    # The first point at or above the target, even when a later one dips below it.
+    assert [r["time_to_target_s"] for r in recs] == [8.0, 2.0, None]
+    assert [r["time_to_target_vs_ddp"] for r in recs] == [1.0, 0.25, None]
+    lines = h.format_table(recs).splitlines()
+    assert lines[0].split()[-5:] == ["to", "target", "s", "x", "ddp"]
+    assert lines[2].split()[-2:] == ["8.00", "1.00"] and lines[3].split()[-2:] == ["2.00", "0.25"]
+    assert lines[4].split()[-2:] == ["-", "-"]
+    summary = cli.time_to_target_summary(recs).strip().splitlines()
+    assert summary[0].startswith("time to test accuracy 0.95")
+    assert summary[1].split() == ["ddp", "8.00", "s", "1.00x", "ddp"]
+    assert summary[2].split() == ["asp", "2.00", "s", "0.25x", "ddp"]
+    assert summary[3].split()[:3] == ["ssp:2", "not", "reached"]
+    assert report.time_to_target_label(recs[1]) == "asp: 2.0 s (0.25x ddp)"
+    # Without a ddp run there is no ratio; a bad target is refused.
+    solo = [{"name": "asp", "curve": _curve((0.0, 0.1), (1.0, 0.99))}]
+    report.add_time_to_target(solo, 0.95)
+    assert solo[0]["time_to_target_s"] == 1.0 and solo[0]["time_to_target_vs_ddp"] is None
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="target accuracy must be in"):
+            report.add_time_to_target(solo, bad)
+
+
+def test_plot_marks_target_and_time_to_target(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    recs = [
+        {"name": "ddp", "curve": _curve((0.0, 0.1), (4.0, 0.96))},
+        {"name": "asp", "curve": _curve((0.0, 0.1), (2.0, 0.97))},
+    ]
+    report.add_time_to_target(recs, 0.95)
+    drawn = {"axhline": [], "axvline": []}
+
+    def recording(name):
+        real = getattr(matplotlib.axes.Axes, name)
+
+        def draw(ax, at, *args, **kwargs):
+            drawn[name].append(at)
+            return real(ax, at, *args, **kwargs)
+
+        return draw
+
+    for name in drawn:
+        monkeypatch.setattr(matplotlib.axes.Axes, name, recording(name))
+    path = tmp_path / "p.png"
+    h.plot_curves(recs, str(path), title="t")
+    assert drawn["axhline"] == [0.95, 0.95]  # the target on both panels
+    assert drawn["axvline"] == [4.0, 2.0]  # each system's time to target
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_device_time_is_on_by_default():
+    args = cli.build_parser().parse_args([])
+    assert args.device_ms == cli.DEFAULT_DEVICE_MS > 0 and args.target == report.DEFAULT_TARGET
+    cli.check_device_ms(args)
+    assert args.device_ms == cli.DEFAULT_DEVICE_MS
+    off = cli.build_parser().parse_args(["--device-ms", "0", "--straggler-delay-ms", "3"])
+    cli.check_device_ms(off)  # 0 turns the emulated device off: the CPU-only mode, where a fixed delay fits
+    assert off.device_ms is None
+    # examples/train_digits.py and bench/e2e.py keep the CPU-only default of the shared option.
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cli.add_device_option(p)
+    assert p.parse_args([]).device_ms is None
+
+
 # ---------------------------------------------------------------------------------------------------
 # End to end (spawned gloo workers)
 # ---------------------------------------------------------------------------------------------------
@@ -249,6 +328,8 @@ def test_demo_ddp_and_pyasync(tmp_path):
             "ddp,ssp:1",
             "--straggler",
             "1:2",
+            "--device-ms",
+            "0",
             "--out",
             str(out),
             "--json",
@@ -287,26 +368,51 @@ def test_demo_ddp_and_pyasync(tmp_path):
 
 def test_demo_rejects_bad_device_options(tmp_path):
     for argv, message in [
-        (["--device-ms", "0"], "--device-ms must be a finite number > 0"),
-        (["--device-ms", "nan"], "--device-ms must be a finite number > 0"),
+        (["--device-ms", "-1"], "--device-ms must be a finite number >= 0"),
+        (["--device-ms", "nan"], "--device-ms must be a finite number >= 0"),
+        (["--device-ms", "inf"], "--device-ms must be a finite number >= 0"),
         (["--device-ms", "5", "--straggler-delay-ms", "3"], "--straggler-delay-ms fixes"),
+        (["--straggler-delay-ms", "3"], "add --device-ms 0 for the CPU-only mode"),  # device on by default
+        (["--target", "0"], "--target must be a test accuracy in"),
+        (["--target", "1.5"], "--target must be a test accuracy in"),
     ]:
         with pytest.raises(ValueError, match=message):
-            h.main(["--out", str(tmp_path), "--no-progress", *argv])
+            # A tiny run, should a check regress and let it start (it fails on the missing error then).
+            tiny = ["--workers", "2", "--epochs", "1", "--hidden", "16", "--policies", "asp"]
+            h.main(["--out", str(tmp_path), "--no-progress", *tiny, *argv])
 
 
 @pytest.mark.multiproc
-def test_demo_emulated_device(tmp_path):
-    # --device-ms D: every step of every rank sleeps D, the straggler's FACTOR x D; nothing is measured.
-    workers, epochs, batch, device_ms, factor = 2, 1, 32, 2.0, 3.0
+def test_demo_emulated_device(tmp_path, capsys):
+    # The default: every step of every rank sleeps D = DEFAULT_DEVICE_MS, the straggler's FACTOR x D;
+    # nothing is measured. The summary gives each system's time to target and its ratio to DDP's.
+    workers, epochs, batch, device_ms, factor = 2, 1, 32, cli.DEFAULT_DEVICE_MS, 3.0
+    out = tmp_path / "out"
     records = h.main(
         [
             *("--workers", str(workers), "--epochs", str(epochs), "--batch-size", str(batch)),
             *("--hidden", "64", "--policies", "ddp,asp", "--straggler", f"1:{factor:g}"),
-            *("--device-ms", str(device_ms), "--out", str(tmp_path / "out"), "--no-progress"),
+            *("--target", "0.5", "--out", str(out), "--no-progress"),
         ]
     )
     assert [r["name"] for r in records] == ["ddp", "asp"]
+    printed = capsys.readouterr().out
+    assert f"emulated device: every step sleeps {device_ms:g} ms" in printed and "--device-ms 0" in printed
+    assert "time to test accuracy 0.5" in printed
+    for r in records:  # every run reaches 0.5 (chance is 0.1): see _check_record
+        assert r["target_acc"] == 0.5 and r["time_to_target_s"] is not None
+        assert r["time_to_target_s"] == next(p["t"] for p in r["curve"] if p["acc"] >= 0.5)
+        assert r["time_to_target_vs_ddp"] == pytest.approx(
+            r["time_to_target_s"] / records[0]["time_to_target_s"]
+        )
+        assert (
+            f"{r['name']}  {r['time_to_target_s']:6.2f} s  {r['time_to_target_vs_ddp']:.2f}x ddp" in printed
+        )
+    assert json.loads((out / "results.json").read_text())[1]["time_to_target_vs_ddp"] == pytest.approx(
+        records[1]["time_to_target_vs_ddp"]
+    )
+    png = (out / "accuracy_vs_time.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
     d = device_ms / 1e3
     for r in records:
         _check_record(r, workers, epochs, batch)
