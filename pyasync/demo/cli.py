@@ -1,9 +1,26 @@
 """``python -m pyasync.demo``: DDP against pyasync's policies with one slow worker, on one machine.
 
 Spawns ``--workers`` local processes (gloo on loopback, one thread each) per system, trains a small MLP
-on scikit-learn's digits under each system in turn, then prints a table, writes
-``OUT/accuracy_vs_time.png`` and ``OUT/results.json``. See docs/demo.md for how to read them, and the
-modules of ``pyasync.demo`` for what exactly is measured and how the straggler is injected.
+on scikit-learn's digits under each system in turn, then prints a table with each system's time to a
+target accuracy and its ratio to DDP's, writes ``OUT/accuracy_vs_time.png`` and ``OUT/results.json``.
+See docs/demo.md for how to read them, and the modules of ``pyasync.demo`` for what exactly is measured
+and how the straggler is injected.
+
+Note [Demo device time]
+    The demo runs with an emulated accelerator by default (``--device-ms``, :data:`DEFAULT_DEVICE_MS`;
+    Note [Emulated device]); ``--device-ms 0`` gives the CPU-only mode. In the CPU-only mode the 4
+    workers share the cores of a small machine (2 on the development machine), and the straggler's
+    sleep hands its core to the others, so the synchronous systems wait for it less than they would on
+    hardware with one accelerator per worker: with a "3x" straggler ASP ran at only 1.2-1.3x DDP's
+    throughput on the quiet development machine, and the curves overlapped. With device time that
+    dominates a step, every rank waits for its own "device" with its CPU free, and a 3x straggler's
+    steps really are 3x as long. The CPU part of a step (forward, backward, SGD step of the default
+    MLP, 4 processes at once on the 2-core development machine) was about 7 ms on the quiet machine
+    (the CPU-only demo's straggler measured 6.9 ms) and, with other jobs loading it (load average 11),
+    a median of 37-45 ms without device time and 13-23 ms with D = 50 ms, since the sleeps free the
+    cores. D = 50 ms keeps the CPU's share of a step near 10% on the quiet machine and under a third
+    on the loaded one, while the whole demo (DDP's 100 steps of 3D per rank, then four more systems)
+    stays at a few minutes.
 """
 
 from __future__ import annotations
@@ -16,8 +33,12 @@ from collections.abc import Sequence
 
 from pyasync.demo.config import SystemSpec, TrainConfig, parse_systems
 from pyasync.demo.local import WorkerError, progress_bar, run_local, start_store_server
-from pyasync.demo.report import format_table, plot_curves
+from pyasync.demo.report import DEFAULT_TARGET, add_time_to_target, format_table, plot_curves
 from pyasync.demo.straggler import parse_straggler
+
+#: The demo's emulated device time per step (ms) unless ``--device-ms`` says otherwise; see Note [Demo
+#: device time]. ``examples/train_digits.py`` and bench/e2e.py keep the CPU-only default.
+DEFAULT_DEVICE_MS = 50.0
 
 
 def _default_policies(workers: int) -> str:
@@ -49,9 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--straggler-delay-ms",
         type=float,
         default=None,
-        help="fix the straggler's injected delay per step (ms) instead of measuring it in the first run",
+        help="CPU-only mode (--device-ms 0): fix the straggler's injected delay per step (ms) instead of "
+        "measuring it in the first run",
     )
-    add_device_option(p)
+    add_device_option(p, default=DEFAULT_DEVICE_MS)
+    p.add_argument(
+        "--target",
+        type=float,
+        default=DEFAULT_TARGET,
+        help=f"test accuracy whose time to reach the summary reports per system (default {DEFAULT_TARGET:g})",
+    )
     d = TrainConfig
     p.add_argument(
         "--epochs",
@@ -87,26 +115,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_device_option(p: argparse.ArgumentParser, effect: str = "the straggler sleeps FACTOR x D") -> None:
-    """Add ``--device-ms D`` (Note [Emulated device]); ``effect`` says what it does to the slowdowns."""
+def add_device_option(
+    p: argparse.ArgumentParser, effect: str = "the straggler sleeps FACTOR x D", default: float | None = None
+) -> None:
+    """Add ``--device-ms D`` (Note [Emulated device]); ``effect`` says what it does to the slowdowns,
+    ``default`` is D when the option is not given (None: off, CPU-only)."""
     p.add_argument(
         "--device-ms",
         type=float,
-        default=None,
+        default=default,
         metavar="D",
         help="emulated accelerator: every step sleeps D ms of simulated device compute, which leaves the "
-        f"CPU free ({effect}); default: off, CPU-only",
+        f"CPU free ({effect}); "
+        + ("default: off, CPU-only" if default is None else f"default {default:g}; 0: off, CPU-only"),
     )
 
 
 def check_device_ms(args: argparse.Namespace) -> None:
-    """Reject a bad ``--device-ms`` or one given with ``--straggler-delay-ms``, naming the options."""
-    if args.device_ms is not None and not 0 < args.device_ms < float("inf"):
-        raise ValueError(f"--device-ms must be a finite number > 0 of milliseconds, got {args.device_ms}")
+    """Reject a bad ``--device-ms`` or one given with ``--straggler-delay-ms``, naming the options;
+    ``--device-ms 0`` means off (``args.device_ms`` becomes None: the CPU-only mode)."""
+    if args.device_ms is not None and not 0 <= args.device_ms < float("inf"):
+        raise ValueError(
+            f"--device-ms must be a finite number >= 0 of milliseconds (0: off), got {args.device_ms}"
+        )
+    if args.device_ms == 0:
+        args.device_ms = None
     if args.device_ms is not None and args.straggler_delay_ms is not None:
         raise ValueError(
             "--straggler-delay-ms fixes the straggler's delay of the CPU-only mode; with --device-ms D the "
-            "straggler sleeps FACTOR x D per step"
+            "straggler sleeps FACTOR x D per step (add --device-ms 0 for the CPU-only mode)"
         )
 
 
@@ -145,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     straggler = parse_straggler(args.straggler or f"{min(3, args.workers - 1)}:3", args.workers)
     delay_s = None if args.straggler_delay_ms is None else args.straggler_delay_ms / 1e3
     check_device_ms(args)
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--target must be a test accuracy in (0, 1], got {args.target}")
     os.makedirs(args.out, exist_ok=True)
 
     store = start_store_server(args.timeout)
@@ -163,24 +202,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             delay_s = record["straggler"]["delay_s"]  # Note [Straggler injection]: same delay for all
         records.append(record)
 
+    add_time_to_target(records, args.target)
     print()
     if args.device_ms is not None:
-        print(f"emulated device: every step sleeps {args.device_ms:g} ms (see docs/demo.md)")
+        print(
+            f"emulated device: every step sleeps {args.device_ms:g} ms of simulated accelerator compute, "
+            "leaving the CPU free (--device-ms D; --device-ms 0 for CPU-only; see docs/demo.md)"
+        )
         if straggler is not None:
             print(
                 f"straggler: rank {straggler[0]} sleeps {straggler[1] * args.device_ms:.2f} ms per step "
                 f"({straggler[1]:g}x the device time)"
             )
-    elif straggler is not None:
+    else:
         print(
-            f"straggler: rank {straggler[0]} sleeps {delay_s * 1e3:.2f} ms per step "
-            + (
-                "(fixed by --straggler-delay-ms)"
-                if args.straggler_delay_ms is not None
-                else f"({straggler[1]:g}x its measured compute time)"
-            )
+            "CPU-only (--device-ms 0): the workers share this machine's cores, so a sleeping straggler "
+            "lends its core to the others"
         )
+        if straggler is not None:
+            print(
+                f"straggler: rank {straggler[0]} sleeps {delay_s * 1e3:.2f} ms per step "
+                + (
+                    "(fixed by --straggler-delay-ms)"
+                    if args.straggler_delay_ms is not None
+                    else f"({straggler[1]:g}x its measured compute time)"
+                )
+            )
     print(format_table(records))
+    print(time_to_target_summary(records))
     plot = os.path.join(args.out, "accuracy_vs_time.png")
     title = f"{args.workers} workers, " + (
         f"rank {straggler[0]} slowed {straggler[1]:g}x" if straggler else "no straggler"
@@ -198,6 +247,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         + (f", {args.json}" if args.json else "")
     )
     return records
+
+
+def time_to_target_summary(records: Sequence[dict]) -> str:
+    """The lines that give each system's time to the target accuracy and its ratio to DDP's (records
+    from :func:`pyasync.demo.report.add_time_to_target`; Note [Demo time to target])."""
+    target = records[0]["target_acc"]
+    lines = [f"\ntime to test accuracy {target:g} (first snapshot at or above it; ratio to ddp's time):"]
+    width = max(len(r["name"]) for r in records)
+    for r in records:
+        ttt, ratio = r["time_to_target_s"], r["time_to_target_vs_ddp"]
+        if ttt is None:
+            text = f"not reached (final accuracy {r['test_acc']:.4f})"
+        else:
+            text = f"{ttt:6.2f} s" + ("" if ratio is None else f"  {ratio:.2f}x ddp")
+        lines.append(f"  {r['name']:<{width}}  {text}")
+    return "\n".join(lines)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
