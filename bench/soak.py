@@ -141,7 +141,7 @@ class SlowOwnerSGD(torch.optim.SGD):
 class SoakConfig:
     steps: int = 5000  # steps per worker
     workers: int = 4
-    policy: str = "asp:unanswered=inf"  # pushes never wait for answers: the most pushes in flight
+    policy: str = "asp"
     compression: str = "none"  # none | int8 | topk:RATIO | any pyasync compression spec
     seed: int = 0
     delay_ms: float = 1.0  # upper bound of the random sleep before each step; the last rank: 3x

@@ -270,17 +270,17 @@ class ASP(_PerPush):
     """Asynchronous: every push is applied on arrival (gradient scaled by 1/n) and answered at once;
     a worker does not wait for the others, it installs whatever shard values have arrived.
 
-    ``max_unanswered`` bounds the pushes a worker may have unanswered when it starts a step (None: no
-    bound): with 0 it starts step t + 1 only once every owner answered its push of step t (so it never
-    computes on values without its own last update), with 1 it may compute step t + 1 while the
-    answers to step t are on their way (they arrive during that step), and so on. Note [Where
-    staleness comes from] in pyasync/engine/engine.py says what each costs and buys."""
+    ``max_unanswered`` bounds the pushes a worker may have unanswered when it starts a step (None, the
+    default: no bound): with 0 it starts step t + 1 only once every owner answered its push of step t
+    (so it never computes on values without its own last update), with 1 it may compute step t + 1
+    while the answers to step t are on their way, and so on. Note [Where staleness comes from] in
+    pyasync/engine/engine.py says what each costs and buys."""
 
     lr_scale: str | None = None
     momentum_correction: bool = False
     round_moments: bool = False
     dc: float = 0.0
-    max_unanswered: int | None = 0
+    max_unanswered: int | None = None
     worker_waits = False
 
     def __post_init__(self) -> None:
@@ -290,7 +290,7 @@ class ASP(_PerPush):
 
     def spec(self) -> str:
         u = self.max_unanswered
-        return "asp" + self._options() + ("" if u == 0 else f":unanswered={'inf' if u is None else u}")
+        return "asp" + self._options() + ("" if u is None else f":unanswered={u}")
 
     def may_start(self, clock: int, included: Sequence[int]) -> bool:
         return True
@@ -399,7 +399,7 @@ def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     if name == "asp":
         if len(args) > 1:
             raise ValueError("asp takes at most one positional option (the lr scale)")
-        u = opts.get("unanswered", "0")
+        u = opts.get("unanswered", "inf")
         kw["max_unanswered"] = None if u == "inf" else int(u)
         return ASP(lr_scale=args[0] if args else None, **kw)
     if not 1 <= len(args) <= 2:

@@ -126,7 +126,8 @@ def test_delay_adaptive_lr_keeps_a_full_step_up_to_n_and_shrinks_beyond(stale, w
     [
         ("asp", ASP()),
         ("asp:unanswered=2", ASP(max_unanswered=2)),
-        ("asp:unanswered=inf:mc=on", ASP(max_unanswered=None, momentum_correction=True)),
+        ("asp:unanswered=0:mc=on", ASP(max_unanswered=0, momentum_correction=True)),
+        ("asp:unanswered=inf", ASP()),
         ("asp:moments=round", ASP(round_moments=True)),
         ("asp:delay", ASP(lr_scale="delay")),
         ("ssp:1:mc=on:moments=round", SSP(1, momentum_correction=True, round_moments=True)),

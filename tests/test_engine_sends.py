@@ -124,8 +124,7 @@ def _copying_slow_owner(rank, world):
     soak._slow_owner_s = 0.02 if rank == 0 else 0.0
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    sgd = soak.SlowOwnerSGD(model.parameters(), lr=1e-4)
-    opt = pyasync.DistributedOptimizer(sgd, policy="asp:unanswered=inf",
+    opt = pyasync.DistributedOptimizer(soak.SlowOwnerSGD(model.parameters(), lr=1e-4), policy="asp",
                                        timeout=TIMEOUT, transport=lambda g, t: CopyingTcp(g, t))
     owner = opt.engine.owner
     held = 0

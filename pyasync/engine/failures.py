@@ -126,7 +126,7 @@ def _advice(policy) -> str:
     spec = policy.spec()
     text = f"Policy {spec!r}: lower the learning rate, or clip gradients (max_grad_norm=...)"
     if getattr(policy, "max_unanswered", 0) != 0:
-        text += "; bound the pushes in flight ('asp', which is 'asp:unanswered=0')"
+        text += "; bound the pushes a worker leaves unanswered ('asp:unanswered=0')"
     if hasattr(policy, "lr_scale") and policy.lr_scale is None:
         text += "; shrink the steps of stale pushes ('asp:delay', 'ssp:<s>:delay')"
     if spec.startswith("ssp") or spec.startswith("asp"):
