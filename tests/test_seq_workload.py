@@ -94,7 +94,8 @@ def test_bench_config_builds_each_workloads_model():
     seq = W.BenchConfig(system=bsp, workers=2, model="seq", hidden=32)
     assert isinstance(seq.build_model(seq.load_data()), Q.SortTransformer)
     assert W.MODELS["seq"].momentum == 0.9 and W.MODELS["mlp"].momentum == W.MODELS["wide"].momentum == 0
-    assert E.parse_targets("seq=0.9", {m: s.target for m, s in W.MODELS.items()})["seq"] == 0.9
+    targets = {m: s.target for m, s in W.MODELS.items()}
+    assert E.parse_targets("seq=0.9", targets, {m: s.metric for m, s in W.MODELS.items()})["seq"] == 0.9
     with pytest.raises(ValueError, match="model must be one of"):
         W.load_split("sort", 0)
 

@@ -4,7 +4,9 @@
 Import it with ``bench/`` on ``sys.path`` (as ``bench/e2e.py`` and the tests do): its modules import the
 link emulator as ``linkemu``, and spawned workers find ``harness`` through the inherited ``sys.path``.
 
-- ``workload``: the wide model and its teacher task, DDP hooks and hivemind as systems, BenchConfig;
+- ``workload``: the wide model and its teacher task, MODELS, DDP hooks and hivemind as systems, the
+  optimizer every system steps (``make_optimizer``), BenchConfig;
+- ``seqtask``, ``lmtask``: the seq (sorting) and lm (a small GPT on generated arithmetic) workloads;
 - ``slowdowns``: seeded transient slowdowns on top of the demo's straggler;
 - ``ddp``: DDP's communication hook (all-reduce, fp16, PowerSGD) with byte counts and link time;
 - ``train``: one run on one rank (the demo's loop with the benchmark's systems), calibration, local runs;

@@ -4,19 +4,19 @@ document it, counted and (torchft) put behind the emulated link like DDP. They n
 
 Note [hivemind in the benchmark]
     ``hivemind`` trains with ``hivemind.Optimizer(use_local_updates=True)``, hivemind's asynchronous mode:
-    every peer applies its own gradients with its own SGD at every step (as pyasync's ASP applies every
-    push), and once per hivemind epoch (``target_batch_size`` samples of the whole swarm) the peers
-    average their parameters in a background all-reduce. ``hivemind:R`` makes an epoch ``R`` steps of
-    every peer (default :data:`HIVEMIND_ROUND_STEPS`), so that a round is seconds of compute, as hivemind
-    is built for, not one step. The averager is configured as hivemind's docs advise for a small local
-    run: ``matchmaking_time`` 3 s ("3-5 s for small local runs"), ``request_timeout`` 1 s (below the
-    matchmaking time), ``target_group_size`` = the number of peers (a group that is full starts its
-    all-reduce at once, without waiting out the matchmaking time), ``averaging_timeout`` 30 s. hivemind
-    runs its DHT and averagers as ``multiprocessing.Process`` subclasses that pickle locks, which only
-    works when they are forked: the worker (itself spawned, like every worker of the benchmark) sets its
-    own start method to ``fork`` before hivemind starts them, as in any plain hivemind script on Linux.
-    Timing starts when every peer's progress record is visible in the DHT (``tracker.global_progress
-    .num_peers``), so matchmaking does not pay for peers still starting.
+    every peer applies its own gradients with its own optimizer (``--optimizer``'s SGD or AdamW) at every step
+    (as pyasync's ASP applies every push), and once per hivemind epoch (``target_batch_size`` samples of the
+    whole swarm) the peers average their parameters in a background all-reduce. ``hivemind:R`` makes an epoch
+    ``R`` steps of every peer (default :data:`HIVEMIND_ROUND_STEPS`), so that a round is seconds of compute,
+    as hivemind is built for, not one step. The averager is configured as hivemind's docs advise for a small
+    local run: ``matchmaking_time`` 3 s ("3-5 s for small local runs"), ``request_timeout`` 1 s (below the
+    matchmaking time), ``target_group_size`` = the number of peers (a group that is full starts its all-reduce
+    at once, without waiting out the matchmaking time), ``averaging_timeout`` 30 s. hivemind runs its DHT and
+    averagers as ``multiprocessing.Process`` subclasses that pickle locks, which only works when they are
+    forked: the worker (itself spawned, like every worker of the benchmark) sets its own start method to
+    ``fork`` before hivemind starts them, as in any plain hivemind script on Linux. Timing starts when every
+    peer's progress record is visible in the DHT (``tracker.global_progress.num_peers``), so matchmaking does
+    not pay for peers still starting.
 
 Note [Peer bytes]
     DDP's bytes are counted under the ring model (Note [DDP bytes and link time]). torchft all-reduces
@@ -53,7 +53,7 @@ from torch import nn
 
 from pyasync.demo.systems import ByteCount, Trainer
 
-from .workload import BenchConfig
+from .workload import BenchConfig, make_optimizer
 
 #: Steps of every peer in one hivemind epoch (one parameter-averaging round), see Note [hivemind in the
 #: benchmark]: 16 steps of the 100 ms emulated device is 1.6 s of compute per round.
@@ -262,14 +262,13 @@ def hivemind_trainer(cfg: BenchConfig, model: nn.Module, rank: int, store: dist.
         info = json.loads(store.get("hivemind"))
         run_id = info["run_id"]
         dht = hivemind.DHT(host_maddrs=host, initial_peers=info["peers"], start=True)
-    lr, momentum = cfg.lr, cfg.momentum
     opt = hivemind.Optimizer(
         dht=dht,
         run_id=run_id,
         batch_size_per_step=cfg.batch_size,
         target_batch_size=cfg.batch_size * cfg.workers * round_steps,
         params=model.parameters(),
-        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
+        optimizer=lambda params: make_optimizer(cfg, params),
         use_local_updates=True,
         matchmaking_time=HIVEMIND_MATCHMAKING_S,
         averaging_timeout=HIVEMIND_AVERAGING_TIMEOUT_S,
@@ -371,7 +370,7 @@ def torchft_trainer(
     lighthouse_addr = store.get("torchft").decode()
     # The replica group's own store (a group of one rank: this process hosts it).
     group_store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-    sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    sgd = make_optimizer(cfg, model.parameters())  # SGD or AdamW (--optimizer), as every system
 
     manager = torchft_manager(
         model, sgd, timeout, cfg.workers, group_store.port, lighthouse_addr, f"pyasync_rank{rank}"

@@ -1,4 +1,5 @@
-"""The end-to-end benchmark's plots, per model: accuracy against wall-clock time and samples, throughput."""
+"""The end-to-end benchmark's plots, per model: its metric (test accuracy, or held-out loss for lm) against
+wall-clock time and samples, throughput."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ _CODEC_STYLES = {None: "-", "none": "-", "fp16": "--", "int8": "--", "bf16": "--
 
 #: Variants of a policy get a colour of their own, so they can be told from the plain policy in one panel.
 _VARIANT_COLORS = {"ssp-wide": "tab:cyan", "asp:inverse": "tab:olive", "quorum-fold": "tab:pink"}
+
+#: Per metric (a record's ``metric``, "acc" when absent): the curve's key, the y axis's label, the stem of
+#: the file name and the words of the title.
+_METRICS = {
+    "acc": ("acc", "test accuracy (rank 0's parameters)", "accuracy", "accuracy"),
+    "loss": ("loss", "held-out loss, nats/token (rank 0's params)", "loss", "held-out loss"),
+}
 
 
 def _style(r: Mapping[str, Any]) -> dict[str, Any]:
@@ -40,7 +48,9 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
     Per model: ``accuracy_vs_time_MODEL.png`` (one panel per scenario, test accuracy against wall-clock
     seconds, one line per system, the target as a dashed line), ``accuracy_vs_samples_MODEL.png`` (the
     same against the samples the cluster had claimed: what each system gets from a sample, whatever its
-    speed) and ``throughput_MODEL.png`` (one panel per scenario, samples/s per system with DDP's as a
+    speed); for a model scored by its loss (``metric`` "loss", lm) ``loss_vs_time_MODEL.png`` and
+    ``loss_vs_samples_MODEL.png`` instead, held-out loss against the same axes; and
+    ``throughput_MODEL.png`` (one panel per scenario, samples/s per system with DDP's as a
     vertical line). Skipped or failed runs are left out.
     """
     import matplotlib
@@ -58,10 +68,13 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
         device = mine[0].get("device_ms")
         link += f", emulated device {device:g} ms/step" if device else ""
         n = len(scenarios)
+        y_key, y_label, y_stem, y_words = _METRICS[mine[0].get("metric") or "acc"]
+        optimizer = mine[0].get("optimizer")
+        name = f"{model} ({optimizer})" if optimizer else model
 
         for x_key, x_label, stem in (
-            ("t", "wall-clock time (s)", "accuracy_vs_time"),
-            ("samples", "samples claimed (all workers)", "accuracy_vs_samples"),
+            ("t", "wall-clock time (s)", f"{y_stem}_vs_time"),
+            ("samples", "samples claimed (all workers)", f"{y_stem}_vs_samples"),
         ):
             fig, axes = plt.subplots(
                 1, n, figsize=(5.0 * n + 2.0, 4.4), sharey=True, squeeze=False, layout="constrained"
@@ -71,22 +84,22 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
                 for r in rows:
                     ax.plot(
                         [p[x_key] for p in r["curve"]],
-                        [p["acc"] for p in r["curve"]],
+                        [p[y_key] for p in r["curve"]],
                         label=r["system"],
                         linewidth=1.4,
                         **_style(r),
                     )
-                target = rows[0].get("target_acc")
+                target = rows[0].get("target_loss" if y_key == "loss" else "target_acc")
                 if target is not None:
                     ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
                 ax.set_title(f"{sc}: {rows[0].get('scenario_about', '')}", fontsize=9)
                 ax.set_xlabel(x_label)
                 ax.grid(alpha=0.3)
-            axes[0][0].set_ylabel("test accuracy (rank 0's parameters)")
+            axes[0][0].set_ylabel(y_label)
             handles, labels = axes[0][0].get_legend_handles_labels()
             fig.legend(handles, labels, loc="outside right upper", fontsize=8)
             against = "wall-clock time" if x_key == "t" else "samples processed"
-            fig.suptitle(f"model {model}: accuracy against {against}{link}")
+            fig.suptitle(f"model {name}: {y_words} against {against}{link}", fontsize=10)
             path = os.path.join(out_dir, f"{stem}_{model}.png")
             fig.savefig(path, dpi=110)
             plt.close(fig)
@@ -117,7 +130,7 @@ def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
             ax.set_title(sc, fontsize=9)
             ax.set_xlabel("samples/s (all workers)")
             ax.grid(alpha=0.3, axis="x")
-        fig.suptitle(f"model {model}: samples/s (x DDP in the same scenario){link}", fontsize=10)
+        fig.suptitle(f"model {name}: samples/s (x DDP in the same scenario){link}", fontsize=10)
         path = os.path.join(out_dir, f"throughput_{model}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)

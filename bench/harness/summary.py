@@ -4,10 +4,12 @@ and the summary table. docs/benchmarks.md describes the benchmark.
 Note [Time to target]
     Rank 0 snapshots its parameters every ``eval_every`` of its steps (about ``eval_points`` times per
     run, see Note [Timing and evaluation]); the snapshots are evaluated after training, giving the curve
-    of test accuracy against wall-clock seconds since the start barrier. Time to target is the time of
-    the first point of that curve whose accuracy is >= the target: an upper bound, late by at most one
-    snapshot interval (about 1/40 of the run), the same resolution for every system. It is None when no
-    point reaches the target, including the final model after ``close()``.
+    of the workload's metric against wall-clock seconds since the start barrier. Time to target is the
+    time of the first point of that curve that reaches the target: accuracy >= the target, or for a
+    workload scored by its loss (``lm``, ``ModelSpec.metric == "loss"``) held-out loss <= the target.
+    It is an upper bound, late by at most one snapshot interval (about 1/40 of the run), the same
+    resolution for every system, and None when no point reaches the target, including the final model
+    after ``close()``.
 """
 
 from __future__ import annotations
@@ -45,33 +47,44 @@ def parse_per_model(
     return out
 
 
-def parse_targets(text: str | None, defaults: Mapping[str, float]) -> dict[str, float]:
-    """Target accuracies per model: ``None`` (the defaults), ``ACC`` (every model) or ``MODEL=ACC,...``
-    (the named models; the others keep their default)."""
-    out = parse_per_model(text, defaults, "--target", "0.95, or mlp=0.95,wide=0.9")
-    for m, acc in out.items():
-        if not 0 < acc <= 1:
-            raise ValueError(f"--target: accuracy of {m!r} must be in (0, 1], got {acc}")
+def parse_targets(
+    text: str | None, defaults: Mapping[str, float], metrics: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Targets per model: ``None`` (the defaults), ``X`` (every model) or ``MODEL=X,...`` (the named
+    models; the others keep their default). ``metrics[model]`` says what a target is (default "acc"): an
+    accuracy in (0, 1] for "acc", a finite loss > 0 (nats per token) for "loss"."""
+    out = parse_per_model(text, defaults, "--target", "0.95, or mlp=0.95,wide=0.9,lm=1.3")
+    for m, value in out.items():
+        metric = (metrics or {}).get(m, "acc")
+        if metric == "loss" and not 0 < value < float("inf"):
+            raise ValueError(f"--target: held-out loss of {m!r} must be a finite number > 0, got {value}")
+        if metric == "acc" and not 0 < value <= 1:
+            raise ValueError(f"--target: accuracy of {m!r} must be in (0, 1], got {value}")
     return out
 
 
-def time_to_target(curve: Sequence[Mapping[str, float]], target: float) -> float | None:
-    """Seconds to the first point of ``curve`` (``{"t", "acc"}`` points in time order) with
-    ``acc >= target``; None when none reaches it. See Note [Time to target]."""
+def time_to_target(curve: Sequence[Mapping[str, float]], target: float, metric: str = "acc") -> float | None:
+    """Seconds to the first point of ``curve`` (``{"t", metric}`` points in time order) that reaches
+    ``target``: ``acc >= target`` for ``metric="acc"``, ``loss <= target`` for ``metric="loss"``; None
+    when none does. See Note [Time to target]."""
+    if metric not in ("acc", "loss"):
+        raise ValueError(f"metric must be 'acc' (higher is better) or 'loss' (lower is better): {metric!r}")
     for point in curve:
-        if point["acc"] >= target:
+        if (point[metric] >= target) if metric == "acc" else (point[metric] <= target):
             return float(point["t"])
     return None
 
 
 def _group(r: Mapping[str, Any]) -> tuple:
-    return (r.get("model"), r.get("scenario"), r.get("bandwidth_gbps"), r.get("device_ms"))
+    keys = ("model", "optimizer", "scenario", "bandwidth_gbps", "device_ms")
+    return tuple(r.get(k) for k in keys)
 
 
 def add_ratios(records: Sequence[dict[str, Any]], baseline: str = "ddp") -> None:
     """Set ``samples_per_s_vs_ddp`` and ``time_to_target_vs_ddp`` on every record (in place): the
-    record's samples/s and time to target over those of ``baseline`` in the same model, scenario,
-    bandwidth and emulated device time, measured in the same invocation. None where either side is missing."""
+    record's samples/s and time to target over those of ``baseline`` in the same model, optimizer,
+    scenario, bandwidth and emulated device time, measured in the same invocation. None where either
+    side is missing."""
     base = {_group(r): r for r in records if r.get("system") == baseline and not r.get("skipped")}
     for r in records:
         b = base.get(_group(r))
@@ -85,6 +98,7 @@ _SUMMARY = (
     ("model", "model", "{}"),
     ("scenario", "scenario", "{}"),
     ("system", "system", "{}"),
+    ("optimizer", "optimizer", "{}"),
     ("samples_per_s", "samples/s", "{:.0f}"),
     ("samples_per_s_vs_ddp", "x ddp", "{:.2f}"),
     ("time_to_target_s", "t->target s", "{:.2f}"),
@@ -96,6 +110,8 @@ _SUMMARY = (
     ("pushes_dropped", "dropped", "{}"),
 )
 
+#: The held-out loss of a workload scored by it (lm), a column after "final acc" when some record has one.
+_LOSS = ("final_loss", "final loss", "{:.4f}")
 #: The emulated device's time per step, a column when some record has one.
 _DEVICE = ("device_ms", "device ms", "{:g}")
 
@@ -105,7 +121,7 @@ def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
         return f"{r.get(key)} (no link)"
     if key in ("model", "scenario", "system"):
         return str(r.get(key))
-    if key == "device_ms":  # a property of the run: shown for skipped and failed runs too
+    if key in ("device_ms", "optimizer"):  # properties of the run: shown for skipped and failed runs too
         return "-" if r.get(key) is None else fmt.format(r[key])
     if r.get("skipped"):
         return "skipped" if key == "samples_per_s" else "-"
@@ -120,9 +136,13 @@ def _cell(r: Mapping[str, Any], key: str, fmt: str | None) -> str:
 
 
 def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
-    """The summary table: one row per run; ratios against DDP in the same model and scenario. A last
-    column gives the emulated device's ms per step when some record has one."""
+    """The summary table: one row per run (its optimizer among the first columns); ratios against DDP in
+    the same model, optimizer and scenario. A column gives the final held-out loss when some record has
+    one (lm), a last one the emulated device's ms per step when some record has one."""
     columns = _SUMMARY
+    if any(r.get("final_loss") is not None for r in records):
+        at = [k for k, _, _ in columns].index("final_acc") + 1
+        columns = (*columns[:at], _LOSS, *columns[at:])
     if any(r.get("device_ms") is not None for r in records):
         columns = (*columns, _DEVICE)
     head = [title for _, title, _ in columns]
@@ -131,7 +151,7 @@ def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
 
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in rows)])

@@ -13,25 +13,29 @@ Note [Emulated link]
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from linkemu import Link, ThrottledTransport, steps_behind_link
+from torch import nn
 
-from pyasync.demo.data import Digits
+from pyasync.demo.data import Digits, flat_params
 from pyasync.demo.local import run_local
 from pyasync.demo.record import gather_rank_stats, make_record
 from pyasync.demo.straggler import measure_all_ranks
-from pyasync.demo.systems import Trainer, build_ddp, build_pyasync
-from pyasync.demo.train import RankRun, setup, timed_loop
+from pyasync.demo.systems import Trainer
+from pyasync.demo.train import LoopResult, RankRun, setup, timed_loop
 from pyasync.engine.collective import CollectiveEngine
 from pyasync.transport.gloo import GlooTransport
 
 from . import peers
 from .ddp import DdpCommState, ddp_comm_hook
+from .lmtask import held_out_loss
 from .slowdowns import plan_slowdowns
-from .workload import MODELS, BenchConfig, powersgd_warmup
+from .workload import MODELS, BenchConfig, make_optimizer, optimizer_config, powersgd_warmup
 
 
 def gloo_behind_link(link: Link):
@@ -39,9 +43,32 @@ def gloo_behind_link(link: Link):
     return lambda group, timeout: ThrottledTransport(GlooTransport(group, timeout), link)
 
 
+def build_ddp(model: nn.Module, cfg: BenchConfig, state: DdpCommState, **ddp_kwargs: Any) -> Trainer:
+    """``model`` under DistributedDataParallel with :func:`ddp_comm_hook` and ``cfg``'s optimizer
+    (``workload.make_optimizer``); ``ddp_kwargs`` go to DistributedDataParallel."""
+    net = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    net.register_comm_hook(state, ddp_comm_hook)
+    return Trainer(net=net, opt=make_optimizer(cfg, model.parameters()), ddp_bytes=state)
+
+
+def build_pyasync(model: nn.Module, cfg: BenchConfig, transport=None) -> Trainer:
+    """``pyasync.DistributedOptimizer`` around ``cfg``'s optimizer (``workload.make_optimizer``) with
+    ``cfg.system``'s policy and compression; ``transport`` is its transport factory (None: gloo)."""
+    import pyasync
+
+    opt = pyasync.DistributedOptimizer(
+        make_optimizer(cfg, model.parameters()),
+        policy=cfg.system.policy,
+        compression=cfg.system.compression,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        transport=transport,
+    )
+    return Trainer(net=model, opt=opt)
+
+
 def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link | None) -> Trainer:
-    """DDP with ``cfg.system``'s hook, pyasync, hivemind or torchft; behind ``link`` when given (except
-    hivemind, see Note [Peers and the link] in peers.py)."""
+    """DDP with ``cfg.system``'s hook, pyasync, hivemind or torchft, each stepping ``cfg``'s optimizer;
+    behind ``link`` when given (except hivemind, see Note [Peers and the link] in peers.py)."""
     if cfg.system.is_ddp:
         warmup = None
         if cfg.system.ddp_hook == "powersgd":
@@ -61,7 +88,7 @@ def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link 
             # aborts with a size mismatch). One bucket holding every gradient keeps the order fixed.
             nbytes = sum(p.numel() * p.element_size() for p in run.model.parameters())
             ddp_kwargs["bucket_cap_mb"] = max(25.0, nbytes / 2**20 + 1.0)
-        return build_ddp(run.model, cfg, state, ddp_comm_hook, **ddp_kwargs)
+        return build_ddp(run.model, cfg, state, **ddp_kwargs)
     if cfg.system.is_pyasync:
         trainer = build_pyasync(run.model, cfg, transport=None if link is None else gloo_behind_link(link))
         if link is not None and isinstance(trainer.opt.engine, CollectiveEngine):
@@ -87,7 +114,11 @@ def bench_worker(
     The record is the demo's (``pyasync.demo.record.make_record``) plus ``model``, ``transient`` (prob,
     factor, ``delay_s``: the extra sleep of a slow step, ``slow_steps_per_rank``), ``bandwidth_gbps``,
     ``ddp_hook`` (kind, buckets per step, PowerSGD rank, warm-up and compressed buckets), ``speeds``
-    (each rank's slowdown factor, see Note [Rank speeds]) and ``config.model`` / ``config.data``.
+    (each rank's slowdown factor, see Note [Rank speeds]), ``optimizer`` and ``metric`` (the workload's,
+    "acc" or "loss") and ``config.model`` / ``config.data`` / ``config.optimizer`` (with AdamW's
+    ``betas`` and ``weight_decay``) / ``config.optimizer_class`` (the torch optimizer the system really
+    stepped, :func:`stepped_optimizer`). For a workload scored by its loss (lm) every curve point also
+    has ``loss``, the held-out loss (:func:`add_losses`).
     """
     run = setup(cfg, rank, data)
     injected, sleeps = plan_slowdowns(cfg, run)
@@ -121,7 +152,15 @@ def bench_worker(
             "powersgd_compressed_buckets": comm.compressed_buckets if comm.powersgd is not None else None,
         }
     )
-    record["config"] = {"model": cfg.model, "data": MODELS[cfg.model].data, **record["config"]}
+    record["config"] = {
+        "model": cfg.model,
+        "data": MODELS[cfg.model].data,
+        **record["config"],
+        **optimizer_config(cfg),
+        "optimizer_class": stepped_optimizer(trainer.opt),
+    }
+    if MODELS[cfg.model].metric == "loss":
+        add_losses(cfg, run, loop, record["curve"])
     peer = trainer.peer_info() if hasattr(trainer, "peer_info") else None
     if peer is not None and cfg.system.kind == "hivemind":
         if peer["bytes"] is None:  # no socket counts here: say so rather than report 0
@@ -132,7 +171,7 @@ def bench_worker(
             peer["link"] = "not emulated"
             record["link_emulated"] = False
     extras = {  # placed after the demo's field they follow, in the order the benchmark has always used
-        "kind": {"model": cfg.model},
+        "kind": {"model": cfg.model, "optimizer": cfg.optimizer, "metric": MODELS[cfg.model].metric},
         "straggler": {"transient": transient, "speeds": None if cfg.speeds is None else list(cfg.speeds)},
         "compute_s_per_rank": {
             "bandwidth_gbps": None if link is None else link.gbps,
@@ -145,6 +184,32 @@ def bench_worker(
         out[key] = value
         out.update(extras.get(key, {}))
     return out
+
+
+def stepped_optimizer(opt: Any) -> str:
+    """The class name of the torch optimizer that ``opt`` steps: ``opt``'s own, or for a wrapper (pyasync's
+    DistributedOptimizer, torchft's Optimizer, hivemind's) the one it wraps. What the record says the
+    run really used, whatever it was asked for."""
+    for path in (("optimizer",), ("optim",), ("state_averager", "optimizer")):
+        inner = opt
+        for attr in path:
+            inner = getattr(inner, attr, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return type(inner).__name__
+    return type(opt).__name__
+
+
+def add_losses(cfg: BenchConfig, run: RankRun, loop: LoopResult, curve: list[dict[str, Any]]) -> None:
+    """Rank 0: add ``"loss"``, the held-out loss (``lmtask.held_out_loss``), to every point of ``curve``,
+    the curve ``make_record`` evaluated from ``loop.snapshots`` and the final parameters (``run.model``'s
+    now). See Note [Loss as the metric] in ``lmtask``."""
+    flats = [flat for _, _, flat in loop.snapshots] + [flat_params(run.model)]
+    if len(flats) != len(curve):
+        raise RuntimeError(f"the curve has {len(curve)} points but there are {len(flats)} snapshots")
+    probe = cfg.build_model(run.data)
+    for point, flat in zip(curve, flats, strict=True):
+        nn.utils.vector_to_parameters(flat, probe.parameters())
+        point["loss"] = held_out_loss(probe, run.data.x_test, run.data.y_test)
 
 
 def calibrate_worker(

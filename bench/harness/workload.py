@@ -1,6 +1,8 @@
 """The benchmark's workloads and options on top of the demo's: a second (wide) model on a synthetic teacher
-task, a third (seq) where staleness hurts (``seqtask``), DDP's compression hooks and hivemind as systems,
-and :class:`BenchConfig`, the demo's TrainConfig with the benchmark's slowdowns, link and model."""
+task, a third (seq) where staleness hurts (``seqtask``), a fourth (lm) a small GPT scored by its held-out
+loss (``lmtask``), DDP's compression hooks and hivemind as systems, the optimizer every system builds
+(:func:`make_optimizer`), and :class:`BenchConfig`, the demo's TrainConfig with the benchmark's
+slowdowns, link, model and optimizer."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pyasync.demo.config import parse_system as parse_demo_system
 from pyasync.demo.config import parse_systems as parse_demo_systems
 from pyasync.demo.data import Digits, load_digits_split
 
+from .lmtask import CONTEXT, load_lm_split, make_lm_model
 from .seqtask import SEQ_LENGTH, load_sort_split, make_seq_model
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,32 +177,84 @@ def load_teacher_split(
     return Digits(x[:n_train], y[:n_train], x[n_train:], y[n_train:])
 
 
+#: What a workload's curve, final figure and target measure: "acc" (test accuracy, higher is better) or
+#: "loss" (held-out cross-entropy in nats per token, lower is better). See Note [Loss as the metric] in
+#: ``lmtask``.
+HIGHER_IS_BETTER = {"acc": True, "loss": False}
+
+#: The optimizers a benchmark run can build (--optimizer); see :func:`make_optimizer`.
+OPTIMIZERS = ("sgd", "adamw")
+#: AdamW's betas and decoupled weight decay, the same for every workload.
+ADAMW_BETAS = (0.9, 0.999)
+ADAMW_WEIGHT_DECAY = 0.01
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One workload of the benchmarks: a data set and the model trained on it (an MLP, or for ``seq`` the
-    transformer of ``seqtask``)."""
+    """One workload of the benchmarks: a data set and the model trained on it (an MLP, or for ``seq`` and
+    ``lm`` the transformers of ``seqtask`` and ``lmtask``)."""
 
     name: str  # key of MODELS
-    features: int  # input width of the MLP (seq: tokens per sequence)
-    hidden: int  # default width of its two hidden layers (seq: the transformer's width)
+    features: int  # input width of the MLP (seq, lm: tokens per sequence)
+    hidden: int  # default width of its two hidden layers (seq, lm: the transformer's width)
     lr: float  # default SGD learning rate
-    target: float  # default target test accuracy for time-to-target (reachable in the default budget)
+    target: float  # default target of time-to-target, in units of ``metric`` (reachable in the budget)
     epochs: int  # default budget of python bench/e2e.py (passes over the training set)
     data: str  # what it trains on, in words
     momentum: float = 0.0  # default SGD momentum
+    adamw_lr: float = 1e-3  # AdamW's learning rate (--optimizer adamw), see MODELS
+    optimizer: str = "sgd"  # the optimizer of a run without --optimizer: a name of OPTIMIZERS
+    metric: str = "acc"  # "acc" (test accuracy) or "loss" (held-out loss), a key of HIGHER_IS_BETTER
+    adamw_target: float | None = None  # the target under AdamW, which converges faster (None: ``target``)
+
+    def __post_init__(self) -> None:
+        if self.metric not in HIGHER_IS_BETTER or self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"model {self.name!r}: metric must be one of {sorted(HIGHER_IS_BETTER)} and optimizer one "
+                f"of {OPTIMIZERS}, got {self.metric!r}, {self.optimizer!r}"
+            )
+
+    def target_for(self, optimizer: str) -> float:
+        """The default target of a run with ``optimizer`` (a name of OPTIMIZERS)."""
+        return self.adamw_target if optimizer == "adamw" and self.adamw_target is not None else self.target
+
+    @property
+    def higher_is_better(self) -> bool:
+        """True when the target is reached from below (accuracy), False from above (loss)."""
+        return HIGHER_IS_BETTER[self.metric]
 
 
 #: The workloads. "mlp" is the demo's (digits, ~300K parameters, 1.2 MB); "wide" has ~4.7M parameters
 #: (19 MB of fp32 gradients per step) on the teacher task, where the wire starts to matter; "seq" is a
 #: 2-layer transformer (~70K parameters) sorting 12 digits with SGD at momentum 0.9, where staleness
-#: costs accuracy (see Note [Why staleness hurts here] in ``seqtask``).
+#: costs accuracy (see Note [Why staleness hurts here] in ``seqtask``); "lm" is a 2-layer causal GPT
+#: (~104K parameters) on generated arithmetic, scored by its held-out loss (Note [The arithmetic
+#: corpus] in ``lmtask``). lm's lr, adamw_lr, budget and targets were measured under DDP
+#: (docs/benchmarks.md, "Workloads"); adamw_lr 1e-3 of the other three is the usual default, not tuned.
 MODELS: dict[str, ModelSpec] = {
-    "mlp": ModelSpec("mlp", 64, 512, 0.2, 0.95, 20, "scikit-learn digits (8x8 images)"),
-    "wide": ModelSpec("wide", 256, 2048, 0.05, 0.90, 6, "synthetic teacher task (256 features)"),
-    "seq": ModelSpec(
-        "seq", SEQ_LENGTH, 64, 0.03, 0.95, 8, f"synthetic sorting task ({SEQ_LENGTH} digits)", momentum=0.9
-    ),
-}
+    "mlp": ModelSpec("mlp", 64, 512, 0.2, 0.95, 20, "scikit-learn digits (8x8 images)", adamw_lr=1e-3),
+    "wide": ModelSpec("wide", 256, 2048, 0.05, 0.90, 6, "synthetic teacher task (256 features)",
+                      adamw_lr=1e-3),
+    "seq": ModelSpec("seq", SEQ_LENGTH, 64, 0.03, 0.95, 8, f"synthetic sorting task ({SEQ_LENGTH} digits)",
+                     momentum=0.9, adamw_lr=1e-3),
+    "lm": ModelSpec("lm", CONTEXT, 64, 0.1, 1.85, 12, f"generated arithmetic ({CONTEXT}-token windows)",
+                    momentum=0.9, adamw_lr=3e-3, metric="loss", adamw_target=1.66),
+}  # fmt: skip
+
+
+def make_optimizer(cfg: BenchConfig, params) -> torch.optim.Optimizer:
+    """The optimizer every system of the benchmark steps (pyasync wraps it, DDP and the peers step it):
+    ``cfg.optimizer`` "sgd" (``lr``, ``momentum``) or "adamw" (``lr``, ADAMW_BETAS, ADAMW_WEIGHT_DECAY)."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAMW_BETAS, weight_decay=ADAMW_WEIGHT_DECAY)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def optimizer_config(cfg: BenchConfig) -> dict[str, object]:
+    """What a record says of ``cfg``'s optimizer: its name, and AdamW's betas and weight decay."""
+    if cfg.optimizer == "adamw":
+        return {"optimizer": "adamw", "betas": list(ADAMW_BETAS), "weight_decay": ADAMW_WEIGHT_DECAY}
+    return {"optimizer": "sgd"}
 
 
 def load_split(model: str, seed: int = 0) -> Digits:
@@ -210,6 +265,8 @@ def load_split(model: str, seed: int = 0) -> Digits:
         return load_teacher_split(seed)
     if model == "seq":
         return load_sort_split(seed)
+    if model == "lm":
+        return load_lm_split(seed)
     raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
 
 
@@ -223,7 +280,8 @@ class BenchConfig(TrainConfig):
     """The demo's TrainConfig plus the benchmark's model, slowdowns, DDP hooks and link; the same on every
     rank."""
 
-    model: str = "mlp"  # workload, a key of MODELS: "mlp" (digits), "wide" (teacher task), "seq" (sorting)
+    model: str = "mlp"  # workload, a key of MODELS: "mlp" (digits), "wide" (teacher), "seq" (sorting), "lm"
+    optimizer: str = "sgd"  # "sgd" (lr, momentum) or "adamw" (lr; see make_optimizer)
     transient: tuple[float, float] | None = None  # (prob, factor), see Note [Transient slowdowns]
     compute_s: float | None = None  # compute time C of one step (s) for injected delays; None: measure
     powersgd_warmup: int | None = None  # ddp+powersgd: all-reduce steps first; None: see powersgd_warmup
@@ -234,6 +292,8 @@ class BenchConfig(TrainConfig):
         super().__post_init__()
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.transient is not None:
             prob, factor = self.transient
             if not 0 <= prob <= 1 or not 1 <= factor < math.inf:
@@ -269,8 +329,10 @@ class BenchConfig(TrainConfig):
         return load_split(self.model, self.seed)
 
     def build_model(self, data: Digits) -> nn.Module:
-        """The model of workload ``model``: the demo's MLP, or for ``seq`` the sorting transformer of
-        width ``hidden`` (``seqtask.make_seq_model``)."""
+        """The model of workload ``model``: the demo's MLP, for ``seq`` the sorting transformer of width
+        ``hidden`` (``seqtask.make_seq_model``), for ``lm`` the GPT of ``lmtask.make_lm_model``."""
         if self.model == "seq":
             return make_seq_model(self.hidden, self.seed, data.x_train.shape[1])
+        if self.model == "lm":
+            return make_lm_model(self.hidden, self.seed, data.x_train.shape[1])
         return super().build_model(data)
