@@ -19,7 +19,9 @@ from test_apply import (
     CODECS,
     RTOL,
     Runner,
+    _adam,
     _gpu_ready,
+    _sgd,
     gradient_args,
     make_payload,
     move,
@@ -193,29 +195,6 @@ def test_dc_with_validate_false_and_misaligned_held() -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Bad arguments
-
-
-def _sgd(**kw):
-    n = 16
-    base = dict(param=torch.zeros(n), dense=torch.zeros(n), lr=0.1)
-    base.update(kw)
-    p = base.pop("param")
-    ops.sgd_apply(p, **base)
-
-
-def _adam(**kw):
-    n = 16
-    base = dict(
-        param=torch.zeros(n),
-        dense=torch.zeros(n),
-        lr=0.1,
-        step=1,
-        exp_avg=torch.zeros(n),
-        exp_avg_sq=torch.zeros(n),
-    )
-    base.update(kw)
-    p = base.pop("param")
-    ops.adam_apply(p, **base)
 
 
 H = torch.zeros(16)

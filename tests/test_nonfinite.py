@@ -15,6 +15,23 @@ from tests._dist import multiproc, run_workers
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
+def _train(opt, params, rank, steps, nan_at, catch) -> list:
+    """``steps`` steps of loss -sum(params) (gradient -1 everywhere), NaN on rank 1 at the steps in
+    ``nan_at``; the (step, message) of every ``catch`` that step() raised."""
+    raised = []
+    for t in range(steps):
+        opt.zero_grad()
+        loss = -sum(p.sum() for p in params)
+        if rank == 1 and t in nan_at:
+            loss = loss * float("nan")
+        loss.backward()
+        try:
+            opt.step()
+        except catch as e:
+            raised.append((t, str(e)))
+    return raised
+
+
 def _run(rank, world, policy, mode):
     import pyasync
 
@@ -36,18 +53,8 @@ def _run(rank, world, policy, mode):
         on_nonfinite=mode,
     )
     params = list(model.parameters())
-    raised = []
     # Gradients -1 for every element (loss -sum p), NaN on rank 1 at steps 1 and 3.
-    for t in range(5):
-        opt.zero_grad()
-        loss = -sum(p.sum() for p in params)
-        if rank == 1 and t in (1, 3):
-            loss = loss * float("nan")
-        loss.backward()
-        try:
-            opt.step()
-        except pyasync.NonFiniteGradientError as e:
-            raised.append((t, str(e)))
+    raised = _train(opt, params, rank, 5, (1, 3), pyasync.NonFiniteGradientError)
     opt.close()
     st = opt.stats()
     return {
@@ -110,17 +117,7 @@ def _diverging(rank, world, policy):
     p = torch.nn.Parameter(torch.zeros(8))
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     opt = pyasync.DistributedOptimizer(sgd, policy=policy, timeout=TIMEOUT)
-    raised = []
-    for t in range(26):
-        opt.zero_grad()
-        loss = -p.sum()
-        if rank == 1 and 3 <= t <= 22:
-            loss = loss * float("nan")
-        loss.backward()
-        try:
-            opt.step()
-        except pyasync.DivergedError as e:
-            raised.append((t, str(e)))
+    raised = _train(opt, [p], rank, 26, range(3, 23), pyasync.DivergedError)
     opt.close()
     return {"raised": raised, "finite": bool(torch.isfinite(p).all())}
 
