@@ -103,6 +103,9 @@ class _PerPush(Policy):
           steps of lr/n moves as far as one BSP step.
         * Any other optimizer class (applied by a private instance of it): the gradient is scaled by
           1/n, as for SGD; an adaptive one needs its learning rate divided by n by the user.
+        * SGD's weight decay is not scaled: it acts at every push, n times per round where BSP's acts
+          once (with ``moments=round`` it is scaled with the gradient). AdamW's decoupled decay
+          follows the lr/n and so acts once per round.
         tests/test_async_math.py checks both against BSP with equal workers and no delay.
 
     Note [Moments per round]
