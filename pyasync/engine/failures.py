@@ -104,7 +104,7 @@ class EngineBase:
             up, or a parameter is already inf): skipping would go on silently while the model learns
             nothing. So after DIVERGED_STEPS such steps in a row step() raises DivergedError, under
             "skip" too, naming the policy and the settings that bring a diverging asynchronous run back
-            (docs/benchmarks.md, "Which policy when")."""
+            (docs/benchmarks.md, "Why asynchrony hurt")."""
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad else 0
         if self.nonfinite_streak >= DIVERGED_STEPS:
             raise DivergedError(
