@@ -9,7 +9,7 @@ Modes (one pyasync.DistributedOptimizer each, on its own copy of the same model,
   (the old behaviour; an edit would make step() raise).
 * ``detect``: ``grad_edits="detect"``: buckets are encoded during backward and sent by step() once every
   ``.grad`` of the bucket is checked to be the same object with the same version counter (Note [What
-  step() pushes] in pyasync/engine/capture.py). No edit: this against ``forbid`` is the guarantee's price.
+  step() pushes] in engine/core/capture.py). No edit: this against ``forbid`` is the guarantee's price.
 * ``mul``: "detect", and ``p.grad.mul_(0.5)`` on every parameter after backward.
 * ``clip``: "detect", and ``torch.nn.utils.clip_grad_norm_(params, --max-norm)`` after backward.
 * ``maxnorm``: "detect" with the engine's own ``max_grad_norm=--max-norm`` (``.grad`` is not edited).

@@ -1,13 +1,13 @@
 """Collective benchmark: what each way of running BSP's reduce and gather costs on gloo, side by side.
 
-BSP on collectives (pyasync/engine/collective.py) reduces each bucket to its owners and gathers the new
+BSP on collectives (pyasync/engine/collective/engine.py) reduces each bucket to its owners and gathers the new
 shard values back; DDP all-reduces. This times, on ``--ranks`` processes of one machine (gloo,
 ``torch.set_num_threads(1)``), for a bucket of each ``--sizes`` fp32 elements:
 
 * ``all_reduce``: DDP's one collective;
 * ``reduce_scatter``: gloo's reduce-scatter (``reduce_scatter_tensor``);
 * ``a2a_reduce``: pyasync's reduce, an all-to-all of the n chunks, then their sum in rank order
-  (Note [Reduce by all-to-all] in pyasync/engine/reduce.py);
+  (Note [Reduce by all-to-all] in pyasync/engine/collective/reduce.py);
 * ``all_gather``: gloo's all-gather of one shard per rank (``all_gather_into_tensor``);
 * ``a2a_gather``: an all-to-all of n copies of the shard;
 * ``p2p_reduce`` / ``p2p_gather``: the same exchanges as point-to-point ``isend``/``irecv`` of the

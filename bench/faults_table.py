@@ -29,8 +29,8 @@ corrupt            the victim sends rank 0 a message with a corrupt header (code
 exit               the victim returns from its worker function without close() (ASP)
 =================  =======================================================================================
 
-The tests that check what is promised are tests/test_failures.py and tests/test_failures_stalls.py;
-this script only measures.
+The tests that check what is promised are tests/faults/test_failures.py and
+tests/faults/test_failures_stalls.py; this script only measures.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ Note [The model]
       every rank's link is a FIFO that carries its pushes and its replies (as bench/linkemu.py models a
       NIC), so replies queue behind pushes and grow with ``n`` (each owner answers n pushes per round).
       A worker gets its answer when the last remote owner's reply has arrived.
-    * Round rules, as in pyasync/engine/round.py: **SSP(s)** answers a push of clock t once every
+    * Round rules, as in pyasync/engine/core/round.py: **SSP(s)** answers a push of clock t once every
       not-closed worker's pushes up to clock ``t - s`` are applied; the worker starts ``t + 1`` after
       that answer (so no worker is more than s clocks ahead of the slowest). **ASP** answers at once,
       and the worker does not wait for it: it starts its next step when its host work is done and its
@@ -172,7 +172,7 @@ def loopback_from_overlap(path: str | os.PathLike) -> dict[str, float]:
 
 
 #: The presets. ``loopback`` is loopback_from_overlap(bench/results/overlap_cpu.json), rounded
-#: (tests/test_simulate.py checks the constants against the file); the others are assumptions.
+#: (tests/benchmarks/test_simulate.py checks the constants against the file); the others are assumptions.
 LINKS = {
     "loopback": Link(
         "loopback", 269e-6, 853e-6, 1.03e-9, 0.0, "fit to bench/results/overlap_cpu.json (2 workers, 2 cores)"

@@ -49,11 +49,11 @@ run (a linear leak shows half its total there, a high-water step usually nothing
 
 Slow owner (``--slow-owner-ms MS``). Every rank trains with :class:`SlowOwnerSGD`, plain SGD run
 through the engine's generic rule (any optimizer class other than exactly SGD, Adam or AdamW is stepped
-as a private instance per owned shard, pyasync/engine/rule.py), whose step() first sleeps MS on the
+as a private instance per owned shard, pyasync/engine/core/rule.py), whose step() first sleeps MS on the
 rank ``--slow-owner-rank`` (default 0) only: that rank's owner takes MS longer per update it applies,
 while its worker and every other rank run as before. Under ASP nobody waits for answers, so the other
 workers push faster than that owner applies; the owner's intake is bounded (Note [Bounded intake] in
-pyasync/engine/intake.py), so its receiver stops reading, the sockets fill and the senders wait. The
+pyasync/engine/p2p/intake.py), so its receiver stops reading, the sockets fill and the senders wait. The
 run adds one check, ``intake``: on every rank, the most received pushes its owner held at once
 (``stats().intake_peak``) is at most ``intake_limit(n, S)`` = 2 n S + 2 n (S: shards it owns), and
 the live buffers of its push receive pool stayed within that limit; RSS, the ledger, the counters and
@@ -112,7 +112,7 @@ BUCKET_CAP_MB = 0.004  # 1048 fp32 elements: 3 buckets (last layer + middle bias
 
 def bucket_count(hidden: int = HIDDEN) -> int:
     """Buckets of the soak's model (3 at the default width, 5 at hidden 2048)."""
-    from pyasync.engine.buckets import compute_bucket_assignment_by_size
+    from pyasync.engine.core.buckets import compute_bucket_assignment_by_size
 
     sizes = [4 * n for i, o in layers(hidden) for n in (i * o, o)]
     cap = max(1, int(BUCKET_CAP_MB * (1 << 20)))
@@ -126,7 +126,7 @@ class SlowOwnerSGD(torch.optim.SGD):
     """Plain SGD whose step() first sleeps ``_slow_owner_s`` seconds (0 on every rank but the slow owner).
 
     pyasync runs any optimizer class other than exactly SGD, Adam or AdamW as a private instance of that
-    class per owned shard (pyasync/engine/rule.py), so on the rank that sets the delay every update of
+    class per owned shard (pyasync/engine/core/rule.py), so on the rank that sets the delay every update of
     every shard it owns takes that much longer, and nothing else does. Every rank builds this class: the
     start-up agreement compares the optimizer's class. The update itself is SGD's (p -= lr * g), so the
     ledger stays exact."""
@@ -195,8 +195,8 @@ def buffer_bound(opt) -> dict[str, int]:
     the formula of docs/reliability.md ("Memory per rank"), evaluated on ``opt``'s own layout."""
     import pyasync
     from pyasync.engine import wire
-    from pyasync.engine.intake import local_limit
-    from pyasync.engine.owner import intake_limit
+    from pyasync.engine.p2p.intake import local_limit
+    from pyasync.engine.p2p.owner import intake_limit
 
     n, rank, comp = opt.world_size, opt.rank, opt.compressor
     lays = opt.bucket_layouts
@@ -235,7 +235,7 @@ def soak_worker(rank: int, world: int, cfg: SoakConfig) -> dict[str, Any]:
     """One rank of the soak run (torch.distributed already initialised): train, sample, return the
     samples, the ledger (per parameter: what this worker sent, float64), stats and final values."""
     import pyasync
-    from pyasync.engine.owner import intake_limit
+    from pyasync.engine.p2p.owner import intake_limit
 
     global _slow_owner_s
     slow = cfg.slow_owner_ms > 0

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 from pyasync import compression
 from pyasync.checkpoint import CheckpointChanged, CheckpointError, load_checkpoint, save_checkpoint
-from pyasync.engine.stats import Stats
+from pyasync.engine.core.stats import Stats
 from pyasync.errors import DivergedError, NonFiniteGradientError, PeerFailure
 from pyasync.optimizer import DistributedOptimizer
 from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy

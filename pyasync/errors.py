@@ -31,7 +31,7 @@ class NonFiniteGradientError(FloatingPointError):
 
 class DivergedError(NonFiniteGradientError):
     """Training diverged: this rank's gradients held NaN/Inf at every one of the last
-    ``DIVERGED_STEPS`` steps (pyasync/engine/failures.py), under either ``on_nonfinite`` setting. None of
+    ``DIVERGED_STEPS`` steps (pyasync/engine/core/failures.py), under either ``on_nonfinite`` setting. None of
     those pushes was applied, so the parameters are the last finite ones; the message names the policy
     and what to change. Raised again at every later step whose gradients are still non-finite."""
 

@@ -31,16 +31,16 @@ from pyasync._construct import (
     trainable_params,
 )
 from pyasync.engine import wire
-from pyasync.engine.agree import AgreementError, check_agreement
-from pyasync.engine.buckets import compute_bucket_assignment_by_size
-from pyasync.engine.collective import CollectiveEngine
-from pyasync.engine.engine import Engine
-from pyasync.engine.meet import collective_failure, control_group, gave_up, global_ranks, join, settle
-from pyasync.engine.rule import UpdateRule
-from pyasync.engine.shards import build_layout
-from pyasync.engine.stats import Stats
-from pyasync.membership import change_epoch
+from pyasync.engine.collective.engine import CollectiveEngine
+from pyasync.engine.core.buckets import compute_bucket_assignment_by_size
+from pyasync.engine.core.rule import UpdateRule
+from pyasync.engine.core.shards import build_layout
+from pyasync.engine.core.stats import Stats
+from pyasync.engine.p2p.engine import Engine
 from pyasync.policy import BSP, Policy, parse_policy
+from pyasync.session.agree import AgreementError, check_agreement
+from pyasync.session.meet import collective_failure, control_group, gave_up, global_ranks, join, settle
+from pyasync.session.membership import change_epoch
 from pyasync.transport.base import Transport
 from pyasync.transport.tcp import TcpTransport
 
@@ -141,7 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             after backward() makes step() raise (the step is lost), as does a GradScaler.
 
         elastic: survive a dead worker (SSP, ASP, Quorum, ``bsp:p2p``; SGD, Adam, AdamW): the survivors
-            move to a new membership epoch without it and keep training (pyasync/membership.py, Note
+            move to a new membership epoch without it and keep training (pyasync/session/membership.py, Note
             [Membership epochs]); ``stats().epochs`` reports every change. Needs a store that outlives
             the workers (torchrun's agent hosts it).
 
@@ -203,7 +203,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
                 )
             self._elastic = check_elastic(elastic, self._policy, max_grad_norm, optimizer, transport)
-            self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (pyasync/membership.py)
+            self._epoch, self._clock0, self._epochs = 0, 0, []  # membership epochs (session/membership.py)
             self._epoch_failure: BaseException | None = None  # a membership change that failed (raised)
             self._last_checkpoint: tuple[str, int] | None = None  # (directory, epoch) of the last save
             self._group = process_group
@@ -350,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start_epoch(
         self, group, members: list[int], layouts, policy: Policy, epoch: int, clock: int
     ) -> None:
-        """Membership epoch ``epoch`` (pyasync/membership.py): this rank's new group, layouts, policy and
+        """Membership epoch ``epoch`` (session/membership.py): this rank's new group, layouts, policy and
         engine; the old engine has stopped."""
         self._finalizer.detach()
         old_control = self._control
@@ -431,7 +431,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _follow_membership(self) -> None:
-        """Elastic: ranks left; the survivors move to the next membership epoch (pyasync/membership.py)."""
+        """Elastic: ranks left; the survivors move to the next membership epoch (session/membership.py)."""
         while self._engine is not None and getattr(self._engine, "lost", None) and not self._engine.closed:
             self._next_epoch()
 
@@ -580,7 +580,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def engine(self) -> Engine | CollectiveEngine:
-        """The engine behind this optimizer (pyasync/engine/engine.py): its narrow API (``snapshot``,
+        """The engine behind this optimizer (pyasync/engine/p2p/engine.py): its narrow API (``snapshot``,
         ``load``, ``drain``, ``pause``/``resume``, ``clock``) is what pyasync.checkpoint uses."""
         if self._engine is None:
             raise RuntimeError("the DistributedOptimizer was not fully constructed")

@@ -9,13 +9,13 @@ Vocabulary (see docs/architecture.md):
   ``w`` with clock ``<= c`` has been processed by the shard (applied, dropped or skipped), ``-1`` when
   none has. A closed worker has pushed everything it ever will.
 
-Each policy picks the round machine its owners run (:meth:`Policy.round`, see pyasync/engine/round.py)
+Each policy picks the round machine its owners run (:meth:`Policy.round`, see pyasync/engine/core/round.py)
 and answers that machine's questions:
 
-* SSP(s) and ASP run a :class:`~pyasync.engine.round.PushRound` (every push is its own update):
+* SSP(s) and ASP run a :class:`~pyasync.engine.core.round.PushRound` (every push is its own update):
   :meth:`answer_now` (may the push of clock ``t`` be answered with the shard's current values? The
   worker waits for that answer, so this is where SSP's bound lives) and :meth:`lr_factor`.
-* BSP and Quorum(k) run an :class:`~pyasync.engine.round.AggregateRound` (one update from the mean of
+* BSP and Quorum(k) run an :class:`~pyasync.engine.core.round.AggregateRound` (one update from the mean of
   several pushes): :meth:`update_ready` (is the aggregate complete?), :meth:`is_late` (was a push
   computed on a superseded version?) and :attr:`folds_late` (is a late push added to the next update
   rather than dropped?).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from pyasync._validate import check_int
-from pyasync.engine.round import AggregateRound, PushRound, Round
+from pyasync.engine.core.round import AggregateRound, PushRound, Round
 
 __all__ = ["ASP", "BSP", "SSP", "Policy", "Quorum", "parse_policy"]
 
@@ -106,7 +106,7 @@ class _PerPush(Policy):
         * SGD's weight decay is not scaled: it acts at every push, n times per round where BSP's acts
           once (with ``moments=round`` it is scaled with the gradient). AdamW's decoupled decay
           follows the lr/n and so acts once per round.
-        tests/test_async_math.py checks both against BSP with equal workers and no delay.
+        tests/engine/test_async_math.py checks both against BSP with equal workers and no delay.
 
     Note [Moments per round]
         That alone leaves the optimizer's moments advancing per push: a momentum of 0.9 forgets in 10
@@ -119,7 +119,7 @@ class _PerPush(Policy):
         are scaled by (1 - momentum^(1/n)) / (1 - momentum) on top of 1/n, so each gradient still
         moves the parameters as far in total as in BSP. Adam's bias corrections follow, as its step
         count counts pushes. With equal workers and no delay this follows BSP within 5% over 40 rounds
-        (tests/test_async_math.py), but on ``seq`` with the straggler it bought nothing (0.67 final
+        (tests/engine/test_async_math.py), but on ``seq`` with the straggler it bought nothing (0.67 final
         accuracy against 0.70 per push, one seed each, within the runs' noise), so it is off by
         default until a workload shows it pays.
 
@@ -219,7 +219,7 @@ class BSP(_Aggregate):
     from every owner. Equal to DDP with the same optimizer, up to float rounding.
 
     It runs on collectives (reduce-scatter or all-to-all, then all-gather: Note [BSP on collectives] in
-    pyasync/engine/collective.py); ``p2p=True`` ("bsp:p2p") runs it on the point-to-point engine of the
+    pyasync/engine/collective/engine.py); ``p2p=True`` ("bsp:p2p") runs it on the point-to-point engine of the
     other policies instead, where workers may also take different numbers of steps (a worker that
     closed counts as zeros)."""
 
@@ -277,7 +277,7 @@ class ASP(_PerPush):
     default: no bound): with 0 it starts step t + 1 only once every owner answered its push of step t
     (so it never computes on values without its own last update), with 1 it may compute step t + 1
     while the answers to step t are on their way, and so on. Note [Where staleness comes from] in
-    pyasync/engine/engine.py says what each costs and buys."""
+    pyasync/engine/p2p/engine.py says what each costs and buys."""
 
     lr_scale: str | None = None
     momentum_correction: bool = False

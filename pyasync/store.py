@@ -1,6 +1,6 @@
 """A job's store outside every worker: ``python -m pyasync.store --port 29400``.
 
-Elastic membership (``DistributedOptimizer(elastic=True)``, pyasync/membership.py) keeps the membership
+Elastic membership (``DistributedOptimizer(elastic=True)``, session/membership.py) keeps the membership
 of each epoch in the job's store, so the store must outlive any worker. torchrun's agents host the
 rendezvous store in one agent, whose death (with its worker's) would take the store down; this process
 hosts it on its own instead. Start it once per job, then point every agent at it with

@@ -4,12 +4,12 @@
 # failure.
 #
 # Usage: scripts/sanitize.sh [pytest args]
-#   (no args)  the kernel tests (test_bucketing, test_codecs, test_topk, test_apply, test_compression)
+#   (no args)  the kernel tests (test_bucketing, test_codecs, test_topk, test_apply, test_compressors)
 #              and the hostile-input fuzzers (test_fuzz_payload, test_fuzz_wire). On 2 cores from a
 #              clean build dir: ~2 minutes when the machine is quiet (build ~50 s), 3-5 minutes when
 #              the cores are shared; see docs/reliability.md
 #   args       passed to pytest instead (paths relative to the repository root, e.g.
-#              scripts/sanitize.sh tests/test_codecs.py -k decode)
+#              scripts/sanitize.sh tests/kernels/test_codecs.py -k decode)
 #
 # How the sanitized module is pinned (see docs/reliability.md, "Sanitizers"):
 #   * the package is copied to build/asan/pkg and _C is built there; the tests are run from that
@@ -60,8 +60,8 @@ log="$out/reports"
 rm -rf "$log" && mkdir -p "$log"
 
 if [ "$#" -eq 0 ]; then
-  set -- tests/test_bucketing.py tests/test_codecs.py tests/test_topk.py tests/test_apply.py \
-    tests/test_compression.py tests/test_fuzz_payload.py tests/test_fuzz_wire.py
+  set -- tests/kernels/test_bucketing.py tests/kernels/test_codecs.py tests/kernels/test_topk.py tests/kernels/test_apply.py \
+    tests/api/test_compressors.py tests/kernels/test_fuzz_payload.py tests/engine/test_fuzz_wire.py
 fi
 
 # Imports pyasync._C from the copy, checks where it came from, then runs pytest in this process.

@@ -1,4 +1,4 @@
-"""Helpers for the fault tests (tests/test_failures*.py): a small model, one training step, signals,
+"""Helpers for the fault tests (tests/faults/test_failures*.py): a small model, one training step, signals,
 what is left of an exception once it crossed a process boundary, and the engine threads still alive.
 
 Worker functions live in the test modules; these helpers run inside the spawned ranks.

@@ -28,7 +28,7 @@ from pyasync.demo.record import gather_rank_stats, make_record
 from pyasync.demo.straggler import measure_all_ranks
 from pyasync.demo.systems import Trainer
 from pyasync.demo.train import LoopResult, RankRun, setup, timed_loop
-from pyasync.engine.collective import CollectiveEngine
+from pyasync.engine.collective.engine import CollectiveEngine
 from pyasync.transport.gloo import GlooTransport
 
 from . import peers

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pyasync.engine.meet import collective_failure
 from pyasync.optimizer import DistributedOptimizer
+from pyasync.session.meet import collective_failure
 
 FORMAT = "pyasync-checkpoint"
 FORMAT_VERSION = 2  # 2: a shard's entry may carry "held" (Note [Checkpoints and held values] in save.py)

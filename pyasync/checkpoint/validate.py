@@ -28,7 +28,7 @@ from pyasync.checkpoint.common import (
     CheckpointError,
     manifest_names,
 )
-from pyasync.engine.shards import build_layout
+from pyasync.engine.core.shards import build_layout
 from pyasync.optimizer import DistributedOptimizer
 
 

@@ -58,7 +58,7 @@ class Transport(abc.ABC):
     world_size: int
     #: The raw methods take CPU tensors only: device frames are staged through pinned host memory.
     host_buffers: bool = True
-    #: Elastic membership (pyasync/membership.py): called with the ranks that left (a receive or a send
+    #: Elastic membership (session/membership.py): called with the ranks that left (a receive or a send
     #: saw their connection end) instead of raising PeerFailure; sends to them are dropped from then on.
     on_lost = None
     departed: frozenset[int] = frozenset()

@@ -80,7 +80,7 @@ class FramePool:
     whoever consumes the message gives it back once nothing reads it any more. At most ``keep`` free
     buffers are kept; more are dropped, so a backlog does not pin its peak in memory for good. With a
     ``limit``, at most that many buffers are out at once: ``get`` waits until one comes back (the
-    bounded intake that pushes back on senders, see pyasync/engine/owner.py). Thread-safe."""
+    bounded intake that pushes back on senders, see pyasync/engine/p2p/owner.py). Thread-safe."""
 
     def __init__(
         self, nbytes: int, keep: int = 8, device: torch.device | str = "cpu", limit: int | None = None

@@ -1,5 +1,5 @@
 """Byte-level helpers of the TCP transport (transport/tcp.py): whole writes that wait while the peer
-takes bytes (Note [Fair intake] in pyasync/engine/intake.py) and exact reads on a socket."""
+takes bytes (Note [Fair intake] in pyasync/engine/p2p/intake.py) and exact reads on a socket."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def send_while_taken(s: socket.socket, parts: list, timeout_s: float) -> None:
     Linux wakes a blocked writer); without room it looks again every 50 ms. It fails after ``timeout_s``
     without a byte written only if the peer took none of this connection's queued bytes meanwhile: a
     receiver that keeps reading this connection, however slowly, never cuts a send short (Note [Fair
-    intake] in pyasync/engine/intake.py)."""
+    intake] in pyasync/engine/p2p/intake.py)."""
     views = [memoryview(p).cast("B") for p in parts]
     poller = select.poll()
     poller.register(s, select.POLLOUT)

@@ -13,7 +13,7 @@ Note [Why sockets]
     connection closed without a goodbye names its rank exactly (:class:`pyasync.errors.PeerFailure`);
     every wait is bounded by the optimizer's timeout, and a send that keeps making progress is never cut
     short (the socket timeout applies per system call). TCP's own flow control is the backpressure of a
-    receiver that stops reading (a bounded intake, see pyasync/engine/owner.py).
+    receiver that stops reading (a bounded intake, see pyasync/engine/p2p/owner.py).
 
 Wire: every message is an 8-byte little-endian length, then that many bytes. A length of ``BYE`` says
 the sender closed cleanly: its connection's end is not a failure. A length of ``GAVE_UP``, then a
@@ -554,7 +554,7 @@ class TcpTransport(Heartbeats, Transport):
                 if any(key.data is None for key in ready):  # the wake-up pipe
                     raise TransportClosed("the transport was closed")
                 # Round robin over the ready peers, from the one after the peer served last (Note [Fair
-                # intake] in pyasync/engine/intake.py): the selector lists them in the same order at
+                # intake] in pyasync/engine/p2p/intake.py): the selector lists them in the same order at
                 # every call, so "the first ready one" would serve one sender and starve the others.
                 last = self._served[flow]
                 ready.sort(key=lambda key: (key.data <= last, key.data))

@@ -1,0 +1,1 @@
+"""The collective engine (BSP on all-reduce / reduce-scatter + all-gather, overlapping backward)."""
