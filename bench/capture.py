@@ -67,24 +67,21 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness.cli import add_systems_option
+from harness.summary import parse_per_model
+from harness.workload import MODELS, BenchConfig, parse_system
 
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from harness.summary import parse_per_model  # noqa: E402
-from harness.workload import MODELS, BenchConfig, parse_system  # noqa: E402
-
-from pyasync.demo.data import Digits, batches  # noqa: E402
-from pyasync.demo.local import run_local, start_store_server  # noqa: E402
-from pyasync.demo.record import gather_rank_stats  # noqa: E402
-from pyasync.demo.train import setup  # noqa: E402
+from pyasync.demo.data import Digits, batches
+from pyasync.demo.local import run_local, start_store_server
+from pyasync.demo.record import gather_rank_stats
+from pyasync.demo.train import setup
 
 MODES = ("forbid", "detect", "mul", "clip", "maxnorm", "autocast", "amp")
 #: The modes a model runs unless --modes says otherwise (see the module docstring).
@@ -429,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON output path (a list of records)")
     ap.add_argument("--quick", action="store_true", help="a dry run: 3 rounds of 5 steps, 2 warm-up steps")
     ap.add_argument("--models", type=_names, default=d.models, help="mlp, wide (default: both)")
-    ap.add_argument("--policies", type=_names, default=d.policies,
-                    help="pyasync policies, optionally +COMPRESSION (default: bsp,asp)")
+    add_systems_option(ap, "--policies", dest="policies", default=",".join(d.policies),
+                       help="pyasync policies, optionally +COMPRESSION (default: bsp,asp)")
     ap.add_argument("--modes", type=_names, default=None,
                     help=f"some of {','.join(MODES)}, for every model (default: all; wide without "
                     "autocast and amp)")
@@ -453,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds one (model, policy) run may take")
     a = ap.parse_args(argv)
     cfg = Config(
-        models=a.models, policies=a.policies, modes=a.modes, bucket_mb=a.bucket_mb, workers=a.workers,
+        models=a.models, policies=_names(a.policies), modes=a.modes, bucket_mb=a.bucket_mb, workers=a.workers,
         batch_size=a.batch_size, hidden=a.hidden,
         rounds=a.rounds if a.rounds is not None else (3 if a.quick else d.rounds),
         steps=a.steps if a.steps is not None else (5 if a.quick else d.steps),

@@ -28,35 +28,22 @@ every round's figures, the machine and the command line.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
-
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+from harness.launch import run_ranks
 
 OPS = ("all_reduce", "reduce_scatter", "a2a_reduce", "p2p_reduce", "all_gather", "a2a_gather", "p2p_gather")
 # torch 2.13 renamed these; older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exchange(out: torch.Tensor, send: list[torch.Tensor]) -> None:
@@ -74,7 +61,8 @@ def _exchange(out: torch.Tensor, send: list[torch.Tensor]) -> None:
 
 
 def _ops(numel: int, n: int) -> dict[str, Any]:
-    """The ops on buffers made once, as the engine keeps its buffers across steps (engine/reduce.py)."""
+    """The ops on buffers made once, as the engine keeps its buffers across steps
+    (engine/collective/reduce.py)."""
     x = torch.randn(numel)
     out = torch.empty(numel)
     shard = torch.randn(numel // n)
@@ -97,12 +85,10 @@ def _ops(numel: int, n: int) -> dict[str, Any]:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
+def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[tuple[int, str], list] | None:
+    """One rank (started by harness.launch.run_ranks, in its gloo group); rank 0 returns
+    {(numel, op): [(wall ms, CPU ms) per round]}, the others None."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # the old names, on older torch
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     res: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for numel in args.sizes:
@@ -118,9 +104,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, q) ->
                 dist.barrier()
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 res.setdefault((numel, name), []).append((1e3 * wall / args.iters, 1e3 * cpu / args.iters))
-    if rank == 0:
-        q.put(res)
-    dist.destroy_process_group()
+    return res if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,13 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: {e}")
     if not args.sizes or min(args.sizes) < args.ranks:
         ap.error(f"--sizes must be >= --ranks ({args.ranks}) elements each")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = mp.start_processes(
-        _rank_main, args=(args.ranks, _free_port(), args, q), nprocs=args.ranks, join=False
-    )
-    res = q.get(timeout=1800)
-    procs.join(timeout=120)
+    res = run_ranks(
+        _rank_main, args.ranks, (args,), name="collectives", timeout_s=120.0, run_timeout_s=1800.0
+    )[0]
     machine, cmd = common.machine_info(), common.command_line()
     records = []
     for (numel, name), rounds in res.items():

@@ -38,13 +38,6 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def use_source_tree() -> None:
-    """Make ``import pyasync`` pick the package of this source tree (where the build puts ``_C``)
-    when the benchmarks run from a checkout, e.g. ``python bench/kernels.py``."""
-    if (REPO_ROOT / "pyasync" / "__init__.py").exists() and str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-
-
 # ------------------------------------------------------------------------------------------------
 # Machine and build information
 
@@ -436,50 +429,3 @@ def parse_size(s: str) -> int:
     if v < 1 or v != int(v):
         raise ValueError(f"bad size {s!r}: must be a whole number of elements >= 1")
     return int(v)
-
-
-def collect_worker_results(
-    procs: list, results, deadline: float, grace_s: float = 10.0
-) -> dict[int, tuple[str, Any]]:
-    """Results of spawned worker processes: ``results`` is a queue each worker puts one
-    ``(rank, "ok" | "error", value)`` on. Returns {rank: (status, value)} once every worker reported,
-    the monotonic ``deadline`` passed, or a worker failed (then the others get ``grace_s`` to report
-    their own view of the failure) or died without a result (reported as an error with its exit
-    code). Every worker still alive afterwards is killed and joined, so nothing outlives the call."""
-    import queue as queue_mod
-
-    got: dict[int, tuple[str, Any]] = {}
-    n = len(procs)
-    try:
-        while len(got) < n and time.monotonic() < deadline:
-            try:
-                rank, status, value = results.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if i not in got and not p.is_alive()]
-                if not dead:
-                    continue
-                try:  # a rank that reported just before exiting
-                    rank, status, value = results.get(timeout=5.0)
-                except queue_mod.Empty:
-                    for i in dead:
-                        got[i] = ("error", f"exited with code {procs[i].exitcode} without a result")
-                    break
-            got[rank] = (status, value)
-            if status == "error":
-                end = min(deadline, time.monotonic() + grace_s)
-                while len(got) < n and time.monotonic() < end:
-                    try:
-                        r2, s2, v2 = results.get(timeout=0.5)
-                        got[r2] = (s2, v2)
-                    except queue_mod.Empty:
-                        pass
-                break
-        for p in procs:  # finished: let them exit on their own first
-            p.join(timeout=max(1.0, min(30.0, deadline - time.monotonic())) if len(got) == n else 0)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(10)
-    return got

@@ -26,20 +26,16 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
-
-common.use_source_tree()
-
-from harness import scenarios as S  # noqa: E402
-from harness import summary as E  # noqa: E402
-from harness.peers import peer_status  # noqa: E402
-from harness.plots import plot_e2e  # noqa: E402
-from harness.train import calibrate_local, run_bench  # noqa: E402
-from harness.workload import (  # noqa: E402
+from harness import scenarios as S
+from harness import summary as E
+from harness.peers import peer_status
+from harness.plots import plot_e2e
+from harness.train import calibrate_local, run_bench
+from harness.workload import (
     ADAMW_BETAS,
     ADAMW_WEIGHT_DECAY,
     MODELS,
@@ -48,8 +44,8 @@ from harness.workload import (  # noqa: E402
     parse_systems,
 )
 
-from pyasync.demo.cli import add_device_option  # noqa: E402
-from pyasync.demo.local import WorkerError, progress_bar, start_store_server  # noqa: E402
+from pyasync.demo.cli import add_device_option
+from pyasync.demo.local import WorkerError, progress_bar, start_store_server
 
 #: Budgets of --quick, in passes over the training set; the models other than mlp run only the equal
 #: scenario.

@@ -15,8 +15,8 @@ emulated accelerator that leaves the CPU free, as bench/e2e.py's), ``--bucket-mb
 hits them unevenly: repeat with ``--rounds`` (modes interleaved round-robin) and read the medians.
 
     python bench/engine.py --out engine.json                 # ddp, bsp, asp; 4 ranks; 3 rounds
-    python bench/engine.py --modes ddp,bsp,ssp:1,asp --steps 300 --rounds 5
-    python bench/engine.py --modes ddp,bsp --model mlp --batch 64 --bucket-mb 1 --rounds 5
+    python bench/engine.py --systems ddp,bsp,ssp:1,asp --steps 300 --rounds 5
+    python bench/engine.py --systems ddp,bsp --model mlp --batch 64 --bucket-mb 1 --rounds 5
 
 Output: a table on stdout and, with ``--out``, a JSON list with one record per mode (median over
 rounds, every round's figures, the machine and the command line), see bench/README.md.
@@ -26,28 +26,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
+import torch
+import torch.distributed as dist
+from harness.cli import add_systems_option, parse_system_specs, split_systems
+from harness.launch import run_ranks
 
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_TIMEOUT_S = 120.0  # any wait inside a rank (process group, pyasync), seconds
+_RUN_TIMEOUT_S = 1800.0  # one round of one mode, seconds
 
 
 #: --model: (features, hidden) of an MLP features-hidden-hidden-10
@@ -65,13 +57,11 @@ def _model(name: str) -> torch.nn.Module:
     )
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, out) -> None:
+def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of one round (started by harness.launch.run_ranks, in its gloo group): its record."""
     import pyasync
 
     torch.set_num_threads(args.threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = _model(args.model)
     if mode == "ddp":
@@ -136,20 +126,17 @@ def _rank_main(rank: int, world: int, port: int, mode: str, args: argparse.Names
         st = opt.stats()
         rec["bytes_sent_per_step"] = st.bytes_sent / st.clock if st.clock else None
         opt.close()
-    out.put(rec)
     dist.barrier()
-    dist.destroy_process_group()
+    return rec
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One round of one mode: ``args.ranks`` processes; returns the slowest rank's ms/step, the mean
     CPU ms per rank per step and the per-rank records."""
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    mp.start_processes(
-        _rank_main, args=(args.ranks, _free_port(), mode, args, q), nprocs=args.ranks, start_method="spawn"
+    recs = run_ranks(
+        _rank_main, args.ranks, (mode, args), name="engine",
+        timeout_s=_TIMEOUT_S, run_timeout_s=_RUN_TIMEOUT_S, threads=None,
     )
-    recs = sorted((q.get() for _ in range(args.ranks)), key=lambda r: r["rank"])
     return {
         "ms_per_step": max(r["ms_per_step"] for r in recs),
         "cpu_ms_per_rank_step": statistics.mean(r["cpu_ms_per_step"] for r in recs),
@@ -161,7 +148,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
+    add_systems_option(
+        ap,
         "--modes",
         default="ddp,bsp,asp",
         help="comma-separated: ddp or a pyasync policy spec, optionally +COMPRESSION (e.g. bsp+topk:0.01) "
@@ -186,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if not args.bucket_mb > 0 or not args.device_ms >= 0:
         ap.error("--bucket-mb must be > 0 and --device-ms >= 0")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes:
-        ap.error("--modes is empty: give e.g. ddp,bsp,asp")
+    try:
+        modes = split_systems(args.systems)
+        for m in modes:
+            spec, _, transport = m.partition("@")
+            parse_system_specs(spec, args.ranks)
+            if transport not in ("", "tcp", "gloo"):
+                raise ValueError(f"unknown transport {transport!r} in {m!r}: use @tcp or @gloo")
+    except ValueError as e:
+        ap.error(str(e))
     rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for i in range(args.rounds):
         for m in modes:

@@ -1,7 +1,7 @@
 """A worker killed mid-run under elastic membership: what it costs the survivors.
 
     python bench/faults.py --out bench/results/faults_elastic_cpu.json          # asp, ssp:2, quorum:3
-    python bench/faults.py --policies asp --steps 120 --device-ms 10              # a quick look
+    python bench/faults.py --systems asp --steps 120 --device-ms 10              # a quick look
 
 For each policy it trains the demo's digits MLP (scikit-learn's ``load_digits``, each worker on its own
 shard, SGD) on ``--workers`` local processes twice, side by side: uninterrupted, and with the victim
@@ -66,19 +66,17 @@ import json
 import os
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: the harness
-
+from harness.cli import add_systems_option, parse_system_specs
+from harness.launch import spawn_ranks, start_store
 from harness.peers import peer_status, torchft_manager
 
 import pyasync
@@ -304,9 +302,7 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
     hosted here)."""
     ctx = mp.get_context("spawn")
     world = cfg["workers"]
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=cfg["timeout"]), wait_for_workers=False
-    )
+    store = start_store(cfg["timeout"])
     lighthouse = None
     target = _worker
     if cfg["policy"] == "torchft":
@@ -322,12 +318,9 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
         cfg = {**cfg, "lighthouse": lighthouse.address()}
         target = _torchft_worker
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=target, args=(r, world, store.port, cfg, kill, out), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs = spawn_ranks(
+        target, world, (world, store.port, cfg, kill, out), name="faults", daemon=True, ctx=ctx
+    )
     want = world - (1 if kill else 0)
     recs: list[dict] = []
     deadline = time.monotonic() + limit_s
@@ -397,10 +390,9 @@ def summarize(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON file for the records")
-    p.add_argument(
-        "--systems",
+    add_systems_option(
+        p,
         "--policies",
-        dest="systems",
         default="asp,ssp:2,quorum:3",
         help="comma list of pyasync policies and/or torchft (default asp,ssp:2,quorum:3)",
     )
@@ -435,7 +427,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if not 0 < kill_at < args.steps - 1:
         raise SystemExit(f"--kill-at must be in 1..{args.steps - 2}, got {kill_at}")
     records = []
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    try:
+        kinds = ("pyasync", "torchft")
+        systems = [s.name for s in parse_system_specs(args.systems, args.workers, kinds=kinds)]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if "torchft" in systems and (why := torchft_status()) is not None:
         raise SystemExit(f"torchft: {why}")
     for policy in systems:

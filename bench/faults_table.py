@@ -46,16 +46,13 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
-
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from harness.launch import spawn_ranks, start_store
 
 FAULT_AT = 3  # the step at which the victim causes the fault
 VICTIM = 1
@@ -273,8 +270,7 @@ def run_once(fault: str, world: int, timeout_s: float, run_timeout_s: float, tmp
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=600),
-                          wait_for_workers=False)
+    store = start_store(600.0)
     survivors = world - 1
     shared = {
         "t_fault": ctx.Value("d", 0.0),
@@ -287,13 +283,8 @@ def run_once(fault: str, world: int, timeout_s: float, run_timeout_s: float, tmp
     }
     results = ctx.Queue()
     prefix = f"faults-{secrets.token_hex(4)}/"
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, store.port, prefix, fault, timeout_s, shared, results),
-                    daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    entry_args = (world, store.port, prefix, fault, timeout_s, shared, results)
+    procs = spawn_ranks(_entry, world, entry_args, name="faults_table", daemon=True, ctx=ctx)
     got: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + run_timeout_s
     try:

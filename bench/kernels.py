@@ -19,18 +19,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import common as bc  # type: ignore[no-redef]
-else:
-    from . import common as bc
-
-bc.use_source_tree()
-
-import torch  # noqa: E402
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
+import common as bc
+import torch
 
 CODECS = ("none", "fp16", "bf16", "int8", "sign", "topk")
 OPTIMS = ("sgd", "adam", "adamw")

@@ -65,20 +65,16 @@ import resource
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
-
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness.launch import ONE_THREAD_ENV, run_ranks
 
 SYSTEMS = ("ddp", "pyasync", "pyasync:int8")
 MODES = ("serial", "overlap")
@@ -311,36 +307,17 @@ def _measure_bucket(rank: int, cfg: Config, mb: float) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, cfg: Config, port: int, prefix: str, results: Any) -> None:
-    os.environ["PYASYNC_NUM_THREADS"] = "1"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        torch.set_num_threads(1)
-        torch.set_num_interop_threads(1)
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=cfg.workers, timeout=timeout
-        )
-        t0 = time.monotonic()
-        out = []
-        for mb in cfg.bucket_mb:
-            out.append(_measure_bucket(rank, cfg, mb))
-            if rank == 0:
-                print(f"overlap: bucket {mb:g} MB done, {time.monotonic() - t0:.0f} s "
-                      f"(load {common.loadavg()})", flush=True)
-        results.put((rank, "ok", out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    # Skip the interpreter's slow teardown of torch: hand the queued result over and leave.
-    results.close()
-    results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _worker(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
+    """One rank (started by harness.launch.run_ranks): every bucket size's figures."""
+    t0 = time.monotonic()
+    out = []
+    for mb in cfg.bucket_mb:
+        out.append(_measure_bucket(rank, cfg, mb))
+        if rank == 0:
+            print(f"overlap: bucket {mb:g} MB done, {time.monotonic() - t0:.0f} s "
+                  f"(load {common.loadavg()})", flush=True)
+    dist.barrier()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,34 +327,11 @@ def _worker(rank: int, cfg: Config, port: int, prefix: str, results: Any) -> Non
 def _spawn(cfg: Config) -> list[list[dict[str, Any]]]:
     """Run ``_worker`` on ``cfg.workers`` spawned processes; every rank's list of per-bucket results.
     Raises RuntimeError with the tracebacks when a rank fails or the run passes ``run_timeout_s``."""
-    import torch.multiprocessing as mp
-
-    # The rendezvous: a store server on a free loopback port, held by this process for the run.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False
+    env = {**ONE_THREAD_ENV, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    return run_ranks(
+        _worker, cfg.workers, (cfg,), name="overlap", timeout_s=cfg.timeout_s,
+        run_timeout_s=cfg.run_timeout_s, env=env, fast_exit=True,
     )
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, cfg, store.port, "overlap/", results), name=f"overlap-rank{r}")
-        for r in range(cfg.workers)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + cfg.run_timeout_s
-    got = common.collect_worker_results(procs, results, deadline)
-    if len(got) == cfg.workers and all(s == "ok" for s, _ in got.values()):
-        return [got[r][1] for r in range(cfg.workers)]
-    lines = []
-    for r, p in enumerate(procs):
-        if r in got and got[r][0] == "error":
-            lines.append(f"--- rank {r} failed:\n{got[r][1]}")
-        elif r in got:
-            lines.append(f"--- rank {r} finished")
-        else:
-            lines.append(f"--- rank {r} gave no result (exit code {p.exitcode})")
-    what = "failed" if time.monotonic() < deadline else f"did not finish within {cfg.run_timeout_s:g} s"
-    raise RuntimeError(f"overlap benchmark {what}:\n" + "\n".join(lines))
 
 
 def _iqr(xs: Sequence[float]) -> float:

@@ -3,7 +3,7 @@ staleness and waiting for n = 8 to 1024 workers under stragglers, calibrated fro
 measurements and checked against its measured 4-worker end-to-end runs (GitHub issue 14, part 3).
 
     python bench/simulate.py --out bench/results/simulate.json --plot bench/results/simulate   # the grid
-    python bench/simulate.py --n 8,64,512 --policies ddp,asp,quorum:n-1 --scenarios one-slow --link 10g
+    python bench/simulate.py --n 8,64,512 --systems ddp,asp,quorum:n-1 --scenarios one-slow --link 10g
     python bench/simulate.py --check bench/results/e2e_cpu bench/results/e2e_cpu_wide \\
         bench/results/e2e_cpu_wide_1gbps --check-out check.json        # predicted vs measured, 4 workers
 
@@ -35,7 +35,7 @@ Note [The model]
       every rank's link is a FIFO that carries its pushes and its replies (as bench/linkemu.py models a
       NIC), so replies queue behind pushes and grow with ``n`` (each owner answers n pushes per round).
       A worker gets its answer when the last remote owner's reply has arrived.
-    * Round rules, as in pyasync/engine/core/round.py: **SSP(s)** answers a push of clock t once every
+    * Round rules, pyasync's own (Note [Round rules]): **SSP(s)** answers a push of clock t once every
       not-closed worker's pushes up to clock ``t - s`` are applied; the worker starts ``t + 1`` after
       that answer (so no worker is more than s clocks ahead of the slowest). **ASP** answers at once,
       and the worker does not wait for it: it starts its next step when its host work is done and its
@@ -61,6 +61,24 @@ Note [The model]
       ``min(1, cores / a)``. A sleeping (device phase) or waiting worker uses no CPU and lends its share
       to the others, which is why an injected straggler barely slows DDP on the 2-core machine. Without
       ``cores`` (the grid) every worker has its own processor and accelerator.
+
+Note [Round rules]
+    The representative owner of the point-to-point kinds runs pyasync's own state machine of a shard,
+    ``policy.round(n, 1)`` (pyasync/engine/core/round.py, the same object an owner of the engine keeps
+    per shard), driven with events as tests/engine/test_round.py drives it: every push that reaches
+    the owner is ``Round.push(w, clock, version)`` and every close ``Round.close(w)``; the actions it
+    returns decide what happens: an Answer's workers get their reply, a Release is Quorum's dropped
+    late push, an Update is one round's apply (Quorum, bsp:p2p). So the model cannot drift from the
+    rules the engine runs. What stays the model's own is time: when an apply ends (a FIFO owner:
+    ``owner_push_s`` per push, ``owner_round_s`` per round), when replies leave and arrive (the links),
+    and the order of one batch of answers on the owner's link (by clock, then rank, as the answers
+    queue). A worker's CLOSE reaches the owner after its last push (it follows the pushes on the same
+    connection), which matters under ASP, where a worker may close while its last push is on the way.
+    DDP and BSP on collectives have no owner: their rule is the barrier above. The rules the model
+    used to re-implement here (an incremental minimum for SSP, a member count for Quorum) gave the same
+    records to the last digit on the grid (n = 8 to 512, every policy and scenario; n = 1024 spot-checked)
+    and on ``--check``; driving the Round costs time at large n instead (its SSP check scans the
+    workers for every waiting answer: about 3x the CPU time at n = 1024).
 
 Note [Calibration]
     Grid defaults (every figure is in each record's ``calibration``):
@@ -121,10 +139,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
+import numpy as np
+from harness.cli import add_systems_option, split_systems
+
+import pyasync
+from pyasync.engine.core.round import Answer, Release, Round, Update
 
 # ------------------------------------------------------------------------------------------------
 # Costs and their calibration
@@ -276,6 +297,17 @@ class Policy:
     def family(self) -> str:
         return {"bsp:p2p": "bsp"}.get(self.kind, self.kind)
 
+    def round(self, n: int) -> Round | None:
+        """The owner's state machine of one shard, pyasync's own (pyasync/engine/core/round.py), for the
+        point-to-point kinds; None for DDP and BSP on collectives (a barrier, no owner)."""
+        pol = {
+            "bsp:p2p": lambda: pyasync.BSP(p2p=True),
+            "ssp": lambda: pyasync.SSP(self.staleness),
+            "asp": lambda: pyasync.ASP(),
+            "quorum": lambda: pyasync.Quorum(self.quorum),
+        }.get(self.kind)
+        return None if pol is None else pol().round(n, 1)
+
 
 def parse_policy(spec: str, n: int) -> Policy:
     """``ddp``, ``ddp+fp16``, ``bsp``, ``bsp:p2p``, ``ssp:S``, ``asp``, ``quorum:K`` (``K`` may be ``n``,
@@ -288,29 +320,37 @@ def parse_policy(spec: str, n: int) -> Policy:
         if codec not in ("none", "fp16", "bf16"):
             raise ValueError(f"{spec!r}: DDP takes no compression but fp16/bf16")
         return Policy(spec, "ddp", codec=codec)
-    if head == "bsp":
-        if arg not in ("", "p2p"):
-            raise ValueError(f"{spec!r}: bsp or bsp:p2p")
-        return Policy(spec, "bsp:p2p" if arg else "bsp", codec=codec)
-    if head == "asp" and not arg:
-        return Policy(spec, "asp", codec=codec)
-    if head == "ssp":
-        s = int(arg) if arg else -1
-        if s < 0:
-            raise ValueError(f"{spec!r}: SSP needs a staleness bound s >= 0 (ssp:2)")
-        return Policy(spec, "ssp", staleness=s, codec=codec)
-    if head == "quorum":
+    if head == "quorum":  # n-relative sizes first: pyasync.parse_policy reads quorum:K only
         a = arg.replace(" ", "")
         if a == "n":
-            k = n
+            name = f"quorum:{n}"
         elif a.startswith("n-") and a[2:].isdigit():
-            k = n - int(a[2:])
-        else:
-            k = int(a) if a.isdigit() else -1
-        if not 1 <= k <= n:
+            name = f"quorum:{n - int(a[2:])}"
+    pol = _pyasync_policy(spec, name)
+    if isinstance(pol, pyasync.BSP):
+        return Policy(spec, "bsp:p2p" if pol.p2p else "bsp", codec=codec)
+    if isinstance(pol, pyasync.Quorum):
+        if not 1 <= pol.k <= n:
             raise ValueError(f"{spec!r}: Quorum needs 1 <= k <= n = {n} (quorum:3, quorum:n-1)")
-        return Policy(spec, "quorum", quorum=k, codec=codec)
-    raise ValueError(f"unknown policy {spec!r}: ddp, bsp, bsp:p2p, ssp:S, asp, quorum:K (+codec)")
+        return Policy(spec, "quorum", quorum=pol.k, codec=codec)
+    if isinstance(pol, pyasync.SSP):
+        return Policy(spec, "ssp", staleness=pol.staleness, codec=codec)
+    return Policy(spec, "asp", codec=codec)
+
+
+def _pyasync_policy(spec: str, name: str) -> Any:
+    """``pyasync.parse_policy(name)`` for :func:`parse_policy`, restricted to what the model models:
+    BSP (collectives or ``p2p``), SSP(s), ASP and Quorum(k) without options (``:inverse``, ``:fold``,
+    ``key=value``); ValueError naming ``spec`` otherwise."""
+    usage = "ddp, bsp, bsp:p2p, ssp:S, asp, quorum:K (+codec)"
+    try:
+        pol = pyasync.parse_policy(name)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"unknown policy {spec!r}: {e}; the model knows {usage}") from None
+    # Only the forms the model has rules for: no options (asp:inverse, ssp:2:inverse, quorum:3:fold).
+    if name.count(":") > (0 if isinstance(pol, pyasync.ASP) else 1):
+        raise ValueError(f"policy {spec!r}: the model knows {usage} only, without options")
+    return pol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +533,9 @@ class Result:
         return {"mean": float(s.mean()), "p50": q(0.5), "p99": q(0.99), "max": int(ss[-1])}
 
 
+_MASK = (True,)  # every push covers the one segment of the representative shard
+
+
 class _Sim:
     """One run of one system; see Note [The model]. Events: a worker's start, the end of its device phase
     (processor sharing only), a CPU job's end, its push, the push's arrival at the owners, an answer's
@@ -544,19 +587,15 @@ class _Sim:
         self.buf = np.zeros(n)
         self.tx_max = 0.0
         self.srv = 0.0  # the owner is busy until
-        self.version = 0  # Quorum / bsp:p2p / barriers: updates; SSP/ASP: pushes applied (FIFO)
+        self.version = 0  # barriers: updates (the point-to-point kinds read their Round's version)
         self.staleness: list[int] = []
         self.applied = 0  # pushes applied (or summed into an update)
         self.dropped = 0
         self.last_t = 0.0  # the latest answer or apply
-        # SSP: processed pushes per worker, their histogram over the live workers, pending answers
-        self.processed = [0] * n
-        self.hist = {0: n}
-        self.minp = 0
-        self.pending: list[tuple[int, int, int, int]] = []
-        # Quorum / bsp:p2p
-        self.k = n if policy.kind == "bsp:p2p" else policy.quorum
-        self.members: list[tuple[int, int]] = []
+        # the point-to-point kinds: pyasync's Round decides applies, drops and answers (Note [Round rules])
+        self.round = policy.round(n)
+        self.in_flight = [0] * n  # pushes sent, not yet at the owner
+        self.close_behind = [False] * n  # closed while pushes were in flight
         # barrier
         self.n_ready = 0
         self.link_done = [0.0] * n
@@ -589,7 +628,10 @@ class _Sim:
             if kind == _PUSH:
                 push(a)
             elif kind == _ARRIVE:
+                self.in_flight[a] -= 1
                 arrive(a, b, c)
+                if self.close_behind[a] and not self.in_flight[a]:
+                    self.owner_close(a)
             elif kind == _REPLY:
                 reply(a, b, c)
             elif kind == _CPU:
@@ -724,6 +766,7 @@ class _Sim:
             dq.popleft()
         arrival = depart + self.c.latency_s
         if arrival > self.now:
+            self.in_flight[w] += 1
             self.at(arrival, _ARRIVE, w, k, self.read[w])
         else:
             self.arrive(w, k, self.read[w])
@@ -761,11 +804,10 @@ class _Sim:
             self.trace["closes"].append((self.now, w))
         self.closed[w] = True
         self.live -= 1
-        if self.kind == "ssp":
-            self.hist[self.processed[w]] -= 1
-            self.advance_min(max(self.now, self.srv))
-        elif self.kind in ("quorum", "bsp:p2p"):
-            self.maybe_release()
+        if self.round is not None and not self.in_flight[w]:
+            self.owner_close(w)
+        elif self.round is not None:  # its CLOSE travels behind its pushes: the owner hears of it after them
+            self.close_behind[w] = True
         elif self.p.barrier and self.live and self.n_ready == self.live:
             self.barrier()
 
@@ -785,52 +827,46 @@ class _Sim:
 
     # -- the representative owner
     def arrive(self, w: int, k: int, ver: int) -> None:
-        kind = self.kind
-        if kind in ("ssp", "asp"):
+        """Worker w's push of clock k, computed on version ``ver``, reaches the owner: its Round decides
+        (Note [Round rules]); the model adds the owner's time."""
+        rnd = self.round
+        if self.kind in ("ssp", "asp"):  # applied on arrival, a FIFO server: answers once it is applied
             done = max(self.now, self.srv) + self.c.owner_push_s
             self.srv = done
-            self.staleness.append(self.applied - ver)
+            self.staleness.append(rnd.version - ver)
             self.applied += 1
-            if kind == "asp":
-                return self.answer(w, k, self.applied, done)
-            old = self.processed[w]  # SSP: w's pushes up to clock k are processed at `done`
-            self.processed[w] = k + 1
-            if not self.closed[w]:
-                self.hist[old] -= 1
-                self.hist[k + 1] = self.hist.get(k + 1, 0) + 1
-            heapq.heappush(self.pending, (k - self.p.staleness + 1, w, k))
-            return self.advance_min(done)
-        if ver < self.version:  # Quorum: computed on a superseded version: dropped, answered at once
-            self.dropped += 1
-            return self.answer(w, k, self.version, self.now)
-        self.srv = max(self.now, self.srv) + self.c.owner_push_s
-        self.members.append((w, k))
-        self.maybe_release()
+            return self.owner_actions(rnd.push(w, k, ver, True, _MASK, (w, k)), done)
+        if not rnd.policy.is_late(ver, rnd.version):  # a fresh push: decoded and summed on arrival
+            self.srv = max(self.now, self.srv) + self.c.owner_push_s
+        self.owner_actions(rnd.push(w, k, ver, True, _MASK, (w, k)), self.now)
 
-    def advance_min(self, t: float) -> None:
-        """SSP: answer (at time t) every push of clock c whose ``c - s`` every live worker has processed."""
-        if self.live == 0:
-            self.minp = math.inf
-        else:
-            while self.hist.get(self.minp, 0) == 0:
-                self.minp += 1
-        while self.pending and self.pending[0][0] <= self.minp:
-            _, w, k = heapq.heappop(self.pending)
-            self.answer(w, k, self.applied, t)
+    def owner_close(self, w: int) -> None:
+        """Worker w's CLOSE reaches the owner (after its last push): what waited for w may go on."""
+        self.owner_actions(self.round.close(w), max(self.now, self.srv))
 
-    def maybe_release(self) -> None:
-        """Quorum / bsp:p2p: a round is complete with ``min(k, live)`` pushes: one update, then answers."""
-        need = min(self.k, self.live)
-        if not self.members or len(self.members) < need:
-            return
-        members, self.members = self.members, []
-        self.version += 1
-        self.applied += len(members)
-        self.staleness.extend([0] * len(members))
-        self.srv = max(self.now, self.srv) + self.c.owner_round_s
-        ws = [w for w, _ in members]
-        for (w, k), t in zip(members, self.reply_batch(ws, self.srv)):
-            self.reply_at(t, w, k, self.version)
+    def owner_actions(self, actions: list, t: float) -> None:
+        """Carry out what the Round asked for: a Release is a dropped push (Quorum's late ones: the only
+        pushes released here, all being finite); an Update costs the owner one apply, then its Answer
+        is one reply per member from every owner (:meth:`reply_batch`); any other Answer goes out at
+        time ``t``, in clock order (the order the owner's queue holds them). The final answer (every
+        worker closed) reaches nobody who still waits."""
+        rnd, updated = self.round, False
+        for act in actions:
+            if isinstance(act, Release):
+                self.dropped += 1
+            elif isinstance(act, Update):
+                updated = True
+                self.srv = max(self.now, self.srv) + self.c.owner_round_s
+            elif isinstance(act, Answer) and not act.final:
+                if updated:  # a round's update: every member has pushed on the version before it
+                    self.applied += len(act.dests)
+                    self.staleness.extend([0] * len(act.dests))
+                    ws = [w for w, _ in act.dests]
+                    for (w, k), at in zip(act.dests, self.reply_batch(ws, self.srv)):
+                        self.reply_at(at, w, k, rnd.version)
+                else:
+                    for w, k in sorted(act.dests, key=lambda d: (d[1], d[0])):
+                        self.answer(w, k, rnd.version, t)
 
     # -- answers
     def answer(self, w: int, k: int, version: int, t: float) -> None:
@@ -1415,7 +1451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="JSON output path of the grid")
     ap.add_argument("--plot", metavar="DIR", help="write the grid's PNGs (samples/s against n) into DIR")
     ap.add_argument("--n", default="8,16,32,64,128,256,512,1024", help="worker counts")
-    ap.add_argument("--policies", default="ddp,bsp,ssp:1,ssp:3,asp,quorum:n-1")
+    add_systems_option(ap, "--policies", default="ddp,bsp,ssp:1,ssp:3,asp,quorum:n-1",
+                       help="ddp, ddp+fp16, bsp, bsp:p2p, ssp:S, asp, quorum:K (K may be n-J), each +CODEC")
     ap.add_argument("--scenarios", default="one-slow,lognormal:0.3,lognormal:0.6,pauses")
     ap.add_argument("--link", default="loopback", choices=sorted(LINKS))
     ap.add_argument("--bandwidth-gbps", type=_positive(float), help="override the link's bandwidth")
@@ -1499,7 +1536,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     try:
         ns = [int(x) for x in args.n.split(",") if x.strip()]
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        policies = split_systems(args.systems)
         scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
         for n in ns:
             if n < 2:
@@ -1511,7 +1548,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     if not ns or not policies or not scenarios:
-        ap.error("--n, --policies and --scenarios need at least one entry each")
+        ap.error("--n, --systems and --scenarios need at least one entry each")
     if not 0.0 <= args.overlap <= 1.0:
         ap.error(f"--overlap must be in [0, 1], got {args.overlap}")
     work = Workload(

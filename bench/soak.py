@@ -3,16 +3,16 @@ lost and that memory, threads and file descriptors stay flat.
 
     python bench/soak.py                                   # 4 workers, ASP, 5000 steps each
     python bench/soak.py --steps 20000 --compression topk:0.01 --out soak.json
-    python bench/soak.py --steps 3000 --compression int8 --policy ssp:2
+    python bench/soak.py --steps 3000 --compression int8 --systems ssp:2
     python bench/soak.py --slow-owner-ms 20 --steps 1000      # rank 0's owner 20 ms slower per update
 
 Each of ``--workers`` spawned processes (gloo over loopback, one torch thread) trains a small model
 (three linear layers, 7312 fp32 parameters in 3 buckets) with ``pyasync.DistributedOptimizer`` and
 plain SGD, sleeping a random (seeded) time before every step: up to ``--delay-ms`` on most ranks, three
 times that on the last one (a straggler), so under ASP the ranks drift apart and the fast ones close
-while the straggler still pushes. ``--policy`` takes asp, ssp:S or bsp; Quorum (drops or folds late
-pushes) and lr_scale="inverse" (rescales pushes) are refused, since the ledger needs every push applied
-as lr * g / n.
+while the straggler still pushes. ``--systems`` (old name ``--policy``) takes one of asp, ssp:S or bsp
+(``+COMPRESSION`` there replaces ``--compression``); Quorum (drops or folds late pushes) and
+lr_scale="inverse" (rescales pushes) are refused, since the ledger needs every push applied as lr * g / n.
 
 Ledger (no lost update). Every layer sees integer inputs x in [-2, 2] and an integer upstream gradient
 u in [-1, 1] (loss = sum(layer(x) * u)), so every gradient (u^T x, sum of u) is a small integer that
@@ -80,21 +80,16 @@ import datetime
 import io
 import os
 import random
-import secrets
 import sys
 import threading
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _path  # noqa: F401  (first: sys.path, see bench/_path.py)
 import common
-
-common.use_source_tree()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+from harness.cli import add_systems_option, parse_system_specs
+from harness.launch import ONE_THREAD_ENV, run_ranks
 
 LR = 0.125  # a power of two: lr * g / n stays dyadic
 HIDDEN = 64  # default width of the middle layer
@@ -224,7 +219,7 @@ def buffer_bound(opt) -> dict[str, int]:
         "scratch": 0 if opt.fused_rule and comp.name != "topk" else 4 * own_numel,
         "aggregate": 4 * own_numel if aggregate else 0,
         # coded replies (a lossy codec): what each worker (ours too) holds of our shards, what we hold of
-        # theirs, and one change per owned shard (engine/replies.py)
+        # theirs, and one change per owned shard (engine/core/replies.py)
         "held (owner)": 4 * n * own_numel if comp.replies else 0,
         "held (worker)": 4 * sum(lays[b].shards[r].numel for b, r in remote) if comp.replies else 0,
         "reply scratch": 4 * own_numel if comp.replies else 0,
@@ -460,59 +455,23 @@ class SoakError(RuntimeError):
     """A worker failed, or the run did not finish within its timeout."""
 
 
-def _entry(rank: int, cfg: SoakConfig, port: int, prefix: str, results: Any) -> None:
-    os.environ["PYASYNC_NUM_THREADS"] = "1"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=cfg.workers, timeout=timeout
-        )
-        try:
-            out = soak_worker(rank, cfg.workers, cfg)
-        finally:
-            dist.destroy_process_group()
-        buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with this process
-        torch.save(out, buf)
-        results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # shipped to the parent as text
-        results.put((rank, "error", traceback.format_exc()))
+def _entry(rank: int, world: int, cfg: SoakConfig) -> bytes:
+    """One rank (started by harness.launch.run_ranks): :func:`soak_worker`'s result, serialized."""
+    out = soak_worker(rank, world, cfg)
+    buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with this process
+    torch.save(out, buf)
+    return buf.getvalue()
 
 
 def run_workers(cfg: SoakConfig) -> list[dict[str, Any]]:
     """Spawn ``cfg.workers`` ranks (gloo over loopback, a TCPStore served here); their results by
     rank. Raises SoakError with every failed rank's traceback, or when the run exceeds its timeout
     (the workers are killed either way)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = dist.TCPStore(  # port 0: the OS picks a free one, no race with other runs
-        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False
+    got = run_ranks(
+        _entry, cfg.workers, (cfg,), name="soak", timeout_s=cfg.timeout_s, run_timeout_s=cfg.run_timeout(),
+        env=ONE_THREAD_ENV, threads=1, daemon=True, error=SoakError,
     )
-    prefix = f"soak-{secrets.token_hex(4)}/"
-    procs = [
-        ctx.Process(
-            target=_entry, args=(r, cfg, store.port, prefix, results), name=f"soak-rank{r}", daemon=True
-        )
-        for r in range(cfg.workers)
-    ]
-    for p in procs:
-        p.start()
-    got = common.collect_worker_results(procs, results, time.monotonic() + cfg.run_timeout())
-    if len(got) == cfg.workers and all(s == "ok" for s, _ in got.values()):
-        return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(cfg.workers)]
-    report = []
-    for r in range(cfg.workers):
-        if r in got and got[r][0] == "error":
-            report.append(f"--- rank {r} failed:\n{got[r][1]}")
-        elif r in got:
-            report.append(f"--- rank {r} finished")
-        else:
-            report.append(f"--- rank {r} did not finish within {cfg.run_timeout():g} s")
-    raise SoakError("soak run failed:\n" + "\n".join(report))
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in got]
 
 
 def run(cfg: SoakConfig) -> dict[str, Any]:
@@ -575,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     d = SoakConfig()
     ap.add_argument("--steps", type=int, default=d.steps, help="steps per worker (default %(default)s)")
     ap.add_argument("--workers", type=int, default=d.workers, help="worker processes (default %(default)s)")
-    ap.add_argument("--policy", default=d.policy, help="asp, ssp:S, ... (default %(default)s)")
+    add_systems_option(ap, "--policy", default=d.policy,
+                       help="one pyasync policy: asp, ssp:S, ... (default asp)")
     ap.add_argument("--compression", default=d.compression, help="none | int8 | topk:RATIO (default none)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--delay-ms", type=float, default=d.delay_ms,
@@ -607,12 +567,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"need 0 <= --slow-owner-ms < inf and 0 <= --slow-owner-rank < --workers ({a.workers})")
     from pyasync.policy import Quorum, parse_policy
 
-    pol = parse_policy(a.policy)
+    try:
+        systems = parse_system_specs(a.systems, a.workers, kinds=("pyasync",))
+    except ValueError as e:
+        ap.error(str(e))
+    if len(systems) != 1:
+        ap.error(f"--systems takes one pyasync policy here, got {a.systems!r}")
+    policy, compression = systems[0].policy, a.compression
+    if systems[0].compression is not None:  # asp+int8: the compression in the spec
+        if compression != d.compression:
+            ap.error(f"--systems {a.systems} names a compression: leave --compression out")
+        compression = systems[0].compression
+    pol = parse_policy(policy)
     if isinstance(pol, Quorum) or getattr(pol, "lr_scale", None) == "inverse":
-        ap.error(f"--policy {a.policy}: the ledger needs every push applied as lr * g / n; Quorum drops "
+        ap.error(f"--systems {a.systems}: the ledger needs every push applied as lr * g / n; Quorum drops "
                  "(or folds, divided by k) and lr_scale='inverse' rescales pushes: use bsp, ssp:S or asp")
     cfg = SoakConfig(
-        steps=a.steps, workers=a.workers, policy=a.policy, compression=a.compression, seed=a.seed,
+        steps=a.steps, workers=a.workers, policy=policy, compression=compression, seed=a.seed,
         delay_ms=a.delay_ms, sample_every=a.sample_every, warmup=a.warmup,
         rss_limit_mib=None if a.rss_limit_mib < 0 else a.rss_limit_mib, ledger_tol=a.ledger_tol,
         timeout_s=a.timeout, run_timeout_s=a.run_timeout, slow_owner_ms=a.slow_owner_ms,

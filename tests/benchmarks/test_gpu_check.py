@@ -13,6 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/kernels.py imports _path and common from there
 
 
 def _load(name: str):
