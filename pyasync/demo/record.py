@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,11 +12,9 @@ from torch import nn
 from pyasync.demo.config import TrainConfig
 from pyasync.demo.data import accuracy, flat_params
 from pyasync.demo.report import histogram_percentile
+from pyasync.demo.run import LoopResult, RankRun
 from pyasync.demo.straggler import Injection
 from pyasync.demo.systems import PYASYNC_COUNTERS, Trainer, rank_counters
-
-if TYPE_CHECKING:
-    from pyasync.demo.train import LoopResult, RankRun
 
 #: Per-rank numbers gathered to rank 0 after training, in this order (see gather_rank_stats).
 RANK_FIELDS = ("steps", "samples", *PYASYNC_COUNTERS, "straggler_delay_s", "slept_s")
@@ -51,6 +49,21 @@ def _curve(cfg: TrainConfig, run: RankRun, snapshots) -> list[dict[str, Any]]:
         acc = accuracy(probe, run.data.x_test, run.data.y_test)
         curve.append({"t": round(t, 4), "samples": int(samples), "acc": acc})
     return curve
+
+
+def _run_config(cfg: TrainConfig, run: RankRun, loop: LoopResult) -> dict[str, Any]:
+    """The record's ``config``: the settings that shaped the run."""
+    return {
+        "epochs": cfg.epochs,
+        "batch_size": cfg.batch_size,
+        "hidden": cfg.hidden,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "seed": cfg.seed,
+        "steps_per_epoch": run.per_pass,
+        "budget_steps": run.budget,
+        "eval_every": loop.eval_every,
+    }
 
 
 def make_record(
@@ -132,17 +145,7 @@ def make_record(
         },
         "compute_s": injected.compute_s,
         "compute_s_per_rank": injected.measured,
-        "config": {
-            "epochs": cfg.epochs,
-            "batch_size": cfg.batch_size,
-            "hidden": cfg.hidden,
-            "lr": cfg.lr,
-            "momentum": cfg.momentum,
-            "seed": cfg.seed,
-            "steps_per_epoch": run.per_pass,
-            "budget_steps": run.budget,
-            "eval_every": loop.eval_every,
-        },
+        "config": _run_config(cfg, run, loop),
         "curve": curve,
     }
     if cfg.system.is_pyasync:

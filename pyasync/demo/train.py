@@ -15,21 +15,19 @@ Note [Timing and evaluation]
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from pyasync.demo.config import TrainConfig
 from pyasync.demo.data import Digits, batches, flat_params, shard_indices, steps_per_epoch
 from pyasync.demo.record import make_record
+from pyasync.demo.run import LoopResult, RankRun
 from pyasync.demo.straggler import plan_straggler
 from pyasync.demo.systems import Trainer, build_trainer
 
@@ -73,21 +71,6 @@ def join_run(store: dist.Store, prefix: str, rank: int, world: int, timeout_s: f
     return dist.PrefixStore(prefix + "harness/", store)
 
 
-@dataclasses.dataclass
-class RankRun:
-    """What one rank trains on: its shard, the model and the work budget (see Note [Work budget])."""
-
-    rank: int  # this rank
-    world: int  # ranks in the run
-    data: Digits  # the whole data set (rank 0 evaluates on its test split)
-    x: torch.Tensor  # this rank's shard of the training inputs
-    y: torch.Tensor  # and of the labels
-    per_pass: int  # steps of a rank per pass over its shard
-    budget: int  # gradient steps of the whole cluster
-    my_steps: int  # steps of this rank under a synchronous system
-    model: nn.Module  # the replica this rank trains
-
-
 def setup(cfg: TrainConfig, rank: int, data: Digits | None = None) -> RankRun:
     """This rank's shard, model and budget (the default process group must be initialised).
 
@@ -109,17 +92,6 @@ def setup(cfg: TrainConfig, rank: int, data: Digits | None = None) -> RankRun:
         my_steps=cfg.epochs * per_pass,
         model=cfg.build_model(data),
     )
-
-
-@dataclasses.dataclass
-class LoopResult:
-    """What :func:`timed_loop` measured on one rank."""
-
-    steps: int  # steps this rank took
-    slept_s: float  # seconds this rank slept before its steps (the injected slowdowns, the emulated device)
-    wall_s: float  # seconds from the start barrier to the end barrier
-    eval_every: int  # rank 0 snapshots its parameters every this many of its steps
-    snapshots: list[tuple[float, int, torch.Tensor]]  # rank 0: (seconds, samples claimed, parameters)
 
 
 def _inject_fault(kind: str, rank: int, step: int) -> None:

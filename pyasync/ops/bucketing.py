@@ -130,9 +130,40 @@ def flatten(
         check_tensor("nonfinite", nonfinite, dtype=torch.int32, device=device, numel=1)
     nt = check_num_threads(num_threads)
 
-    # One pass over the tensors (this runs once per bucket per step: keep it cheap). Sources that
-    # share memory with out are allowed only in place: the tensor IS its own slot (same dtype, same
-    # address), e.g. gradients that are views of their bucket.
+    src_dtype, sizes, srcs = _flatten_sources(tensors, out, offs, given)
+    ranges = _destination_ranges(offs, sizes, out.numel())
+
+    if not ranges:
+        return out  # nothing to copy
+    if nonfinite is not None and _overlaps(_byte_range(nonfinite), _byte_range(out)):
+        raise ValueError("nonfinite shares memory with out; pass a separate int32 tensor")
+
+    launch(
+        "flatten",
+        device,
+        srcs=srcs,
+        numels=sizes,
+        offsets=offs,
+        src_dtype=DTYPE_IDS[src_dtype if src_dtype is not None else out.dtype],
+        dst_dtype=DTYPE_IDS[out.dtype],
+        bucket=addr(out),
+        scale=scale,
+        nonfinite=addr(nonfinite),
+        num_threads=nt,
+    )
+    return out
+
+
+def _flatten_sources(
+    tensors: list, out: torch.Tensor, offs: list[int], given: list[int] | None
+) -> tuple[torch.dtype | None, list[int], list[int]]:
+    """flatten's checks of its sources: (their one dtype, or None when all are None; element counts;
+    data pointers, 0 for None or empty).
+
+    One pass over the tensors (this runs once per bucket per step: keep it cheap). Sources that share
+    memory with out are allowed only in place: the tensor IS its own slot (same dtype, same address),
+    e.g. gradients that are views of their bucket."""
+    device = out.device
     src_dtype = None
     sizes: list[int] = []
     srcs: list[int] = []
@@ -172,8 +203,11 @@ def flatten(
             )
         sizes.append(n)
         srcs.append(ptr)
+    return src_dtype, sizes, srcs
 
-    total = out.numel()
+
+def _destination_ranges(offs: list[int], sizes: list[int], total: int) -> list[tuple[int, int, int]]:
+    """The non-empty [start, end) ranges flatten writes, checked to fit in ``total`` and not overlap."""
     ranges = []
     for i, (o, n) in enumerate(zip(offs, sizes)):
         if o + n > total:
@@ -183,26 +217,7 @@ def flatten(
         if n > 0:
             ranges.append((o, o + n, i))
     _check_disjoint(ranges, "destination ranges in out overlap")
-
-    if not ranges:
-        return out  # nothing to copy
-    if nonfinite is not None and _overlaps(_byte_range(nonfinite), (out_lo, out_hi)):
-        raise ValueError("nonfinite shares memory with out; pass a separate int32 tensor")
-
-    launch(
-        "flatten",
-        device,
-        srcs=srcs,
-        numels=sizes,
-        offsets=offs,
-        src_dtype=DTYPE_IDS[src_dtype if src_dtype is not None else out.dtype],
-        dst_dtype=DTYPE_IDS[out.dtype],
-        bucket=addr(out),
-        scale=scale,
-        nonfinite=addr(nonfinite),
-        num_threads=nt,
-    )
-    return out
+    return ranges
 
 
 def unflatten(
