@@ -8,8 +8,18 @@ import torch
 import torch.distributed as dist
 
 from pyasync._validate import check_int, check_real
+from pyasync.engine.core.buckets import compute_bucket_assignment_by_size
 
-__all__ = ["check_elastic", "check_elastic_transport", "check_options", "describe_group", "trainable_params"]
+__all__ = [
+    "assign_buckets",
+    "check_clipping_owners",
+    "check_elastic",
+    "check_elastic_transport",
+    "check_grad_edits",
+    "check_options",
+    "describe_group",
+    "trainable_params",
+]
 
 _FP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -41,6 +51,18 @@ def check_options(
             "process_group must be a torch.distributed ProcessGroup or None, got "
             f"{type(process_group).__name__}"
         )
+
+
+def check_grad_edits(grad_edits, policy, max_grad_norm) -> str:
+    """``grad_edits`` itself, or a clear error (a bad value; "forbid" where a push must be clipped)."""
+    if grad_edits not in ("detect", "forbid"):
+        raise ValueError(f"grad_edits must be 'detect' or 'forbid', got {grad_edits!r}")
+    if grad_edits == "forbid" and max_grad_norm is not None and not policy.clips_mean:
+        raise ValueError(
+            f"max_grad_norm under {policy.spec()} clips each push before it is sent, which "
+            "grad_edits='forbid' (send while backward runs) cannot do; use grad_edits='detect'"
+        )
+    return grad_edits
 
 
 def check_elastic(elastic, policy, max_grad_norm, optimizer, transport=None) -> bool:
@@ -75,7 +97,7 @@ def check_elastic(elastic, policy, max_grad_norm, optimizer, transport=None) -> 
 def check_elastic_transport(tp) -> None:
     """A transport (or its class) that can serve elastic membership: it reports departed peers and
     sends heartbeats (Note [Heartbeats] in pyasync/transport/heartbeats.py), or a clear error."""
-    if not callable(getattr(tp, "start_heartbeats", None)):
+    if not getattr(tp, "probes_liveness", False):
         name = tp.__name__ if isinstance(tp, type) else type(tp).__name__
         raise ValueError(
             f"elastic=True needs a transport that notices a stalled peer (heartbeats); {name} has none. "
@@ -128,6 +150,29 @@ def trainable_params(param_groups, named_parameters) -> tuple[list[torch.Tensor]
     if len(devices) != 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
     return params, groups, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float) -> list[list[int]]:
+    """The buckets (parameter indices per bucket) of at most ``bucket_cap_mb`` MiB of parameter data."""
+    cap = max(1, int(bucket_cap_mb * (1 << 20)))
+    return compute_bucket_assignment_by_size(
+        [p.numel() * p.element_size() for p in params],
+        [str(p.dtype) for p in params],
+        [str(p.device) for p in params],
+        cap,
+    )
+
+
+def check_clipping_owners(max_grad_norm, policy, world: int, layouts) -> None:
+    """Clipping the mean gradient (BSP) needs every rank to own part of the parameters."""
+    if max_grad_norm is not None and policy.clips_mean and world > 1:
+        empty = [r for r in range(world) if not any(lay.shards[r].numel for lay in layouts)]
+        if empty:
+            raise ValueError(
+                f"max_grad_norm under {policy.spec()} needs every rank to own part of the "
+                "parameters, "
+                f"but ranks {empty} own none (the model has fewer elements per bucket than ranks)"
+            )
 
 
 def describe_group(i: int, g: dict) -> str:

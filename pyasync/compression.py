@@ -67,8 +67,9 @@ class Compressor:
         if type(self) is Compressor:
             raise TypeError("Compressor is a base class; use NoCompression, FP16, BF16, Int8, Sign or TopK")
         self.error_feedback = check_bool("error_feedback", error_feedback) and self.lossy
-        # Replies coded with this codec too (the change from what each worker holds; engine/replies.py
-        # and engine/gather.py); False: replies carry exact fp32 values, only pushes are compressed.
+        # Replies coded with this codec too (the change from what each worker holds;
+        # engine/core/replies.py and engine/collective/gather.py); False: replies carry exact fp32
+        # values, only pushes are compressed.
         self.replies = check_bool("replies", replies) and self.lossy
         # key -> [current residual, spare buffer]; see the module docstring.
         self._residuals: dict[Hashable, list[torch.Tensor]] = {}

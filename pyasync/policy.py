@@ -170,8 +170,8 @@ class _PerPush(Policy):
         (delay-adaptive steps, Mishchenko et al. 2022, Koloskova et al. 2022: the n - 1 or so updates
         of the other workers that any push sees cost nothing, only a longer delay shrinks the step);
         1 / (1 + staleness / n) with ``lr_scale="round"`` (the step shrinks with the delay counted in
-        rounds of n pushes: a push one round old takes half a step; Note [Stale steps near the edge of
-        stability]); else 1."""
+        rounds of n pushes: a push one round old takes half a step; Note [Why staleness hurts here] in
+        bench/harness/seqtask.py); else 1."""
         if self.lr_scale == "inverse":
             return 1.0 / max(1, staleness)
         if self.lr_scale == "delay":

@@ -11,6 +11,15 @@ on disk names any more (Note [Checkpoint cleanup] in save.py). A crash at any po
 old or the new checkpoint, never a mix. Concurrent saves into one directory are excluded by a lock
 (Note [Checkpoint directory lock] in lock.py); loads take no lock (Note [Loading while a save
 commits] in load.py).
+
+Note [Checkpoints take the pieces]
+The checkpoint modules never import the optimizer (that made an import cycle: the optimizer's membership
+changes read the last checkpoint). ``save_checkpoint`` and ``load_checkpoint`` take the optimizer, check
+that it has the DistributedOptimizer's public face, and read what they use from it once, into a
+:class:`Target`: the current epoch's rank, world size and layouts, the engine, the groups, the policy and
+compressor, and its state_dict / load_state_dict / describe. Every other function takes the Target or
+plain values (layouts, param_groups), so session/membership.py reads a checkpoint with the same
+functions, passing the pieces it holds.
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ import os
 import re
 import socket
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from pyasync.optimizer import DistributedOptimizer
 from pyasync.session.meet import collective_failure
 
 FORMAT = "pyasync-checkpoint"
@@ -51,8 +62,36 @@ class CheckpointChanged(CheckpointError):
     was removed, or the ranks read different manifests); nothing was loaded: retry the load."""
 
 
-def check_args(path: Any, opt: Any, what: str) -> str:
-    if not isinstance(opt, DistributedOptimizer):
+@dataclass(frozen=True)
+class Target:
+    """What a checkpoint reads and writes of a DistributedOptimizer, taken from its public face once per
+    save or load (Note [Checkpoints take the pieces])."""
+
+    rank: int  # this rank in the current membership epoch
+    world: int  # ranks of the current epoch
+    layouts: list  # the current epoch's bucket layouts (engine.core.shards.BucketLayout)
+    numels: list[int]  # elements of each trained parameter, in the engine's order
+    param_groups: list[dict]  # the wrapped optimizer's param_groups
+    policy: Any  # pyasync.policy.Policy
+    compressor: Any  # pyasync.compression Compressor
+    fused: bool  # SGD / Adam / AdamW with the fused kernels (re-shardable state)
+    engine: Any  # the optimizer's engine: pause/resume, drain, clock, shards, transport
+    group: dist.ProcessGroup | None  # the process group it trains over (None: the default group)
+    control: dist.ProcessGroup | None  # its own gloo group (None with one rank)
+    epoch: Any  # session.epoch.Epoch: a save records itself there (``last_checkpoint``)
+    describe: Callable[[], dict]  # what must match between a saving and a loading optimizer
+    state_dict: Callable[[], dict]  # this rank's shard (DistributedOptimizer.state_dict)
+    load_state_dict: Callable[[dict], None]  # DistributedOptimizer.load_state_dict
+
+
+#: What an object must have to be checkpointed (the DistributedOptimizer's public face).
+_FACE = ("epoch", "engine", "bucket_layouts", "named_params", "collective_group", "describe", "fused_rule")
+
+
+def check_args(path: Any, opt: Any, what: str) -> tuple[str, Target]:
+    """``path`` as a str and what the checkpoint reads of ``opt``; a clear error for a wrong argument or
+    a closed optimizer."""
+    if not isinstance(opt, torch.optim.Optimizer) or not all(hasattr(type(opt), a) for a in _FACE):
         raise TypeError(f"{what}: opt must be a pyasync.DistributedOptimizer, got {type(opt).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{what}: path must be a str or os.PathLike directory, got {type(path).__name__}")
@@ -61,7 +100,24 @@ def check_args(path: Any, opt: Any, what: str) -> str:
             f"{what}: the DistributedOptimizer is closed; save or load before close() (a closed "
             "optimizer's owner threads are stopped)"
         )
-    return os.fspath(path)
+    target = Target(
+        rank=opt.rank,
+        world=opt.world_size,
+        layouts=opt.bucket_layouts,
+        numels=[p.numel() for _, p in opt.named_params],
+        param_groups=opt.param_groups,
+        policy=opt.policy,
+        compressor=opt.compressor,
+        fused=opt.fused_rule,
+        engine=opt.engine,
+        group=opt.process_group,
+        control=opt.collective_group,
+        epoch=opt.epoch,
+        describe=opt.describe,
+        state_dict=opt.state_dict,
+        load_state_dict=opt.load_state_dict,
+    )
+    return os.fspath(path), target
 
 
 def _fsync_dir(d: str) -> None:
@@ -123,17 +179,18 @@ def shard_name(save_id: str, rank: int, world: int) -> str:
     return f"shard-{save_id}-r{rank}-of-{world}.pt"
 
 
-def global_src(opt: DistributedOptimizer) -> int:
-    return dist.get_global_rank(opt.process_group, 0) if opt.process_group is not None else 0
+def global_src(t: Target) -> int:
+    """The global rank of rank 0 of the optimizer's process group."""
+    return dist.get_global_rank(t.group, 0) if t.group is not None else 0
 
 
-def collective(opt: DistributedOptimizer, what: str, fn, *args, **kwargs):
+def collective(t: Target, what: str, fn, *args, **kwargs):
     """Run collective ``fn`` on the optimizer's own group (bounded by its timeout); a failure is a
     CheckpointError that names the rank that died when the transport saw it."""
     try:
-        return fn(*args, group=opt.collective_group, **kwargs)
+        return fn(*args, group=t.control, **kwargs)
     except Exception as e:
-        err = collective_failure(e, opt.engine.transport, what)
+        err = collective_failure(e, t.engine.transport, what)
         raise CheckpointError(f"{what} failed: {err}; nothing was committed or loaded by this call") from err
 
 

@@ -16,29 +16,36 @@ can simply be retried.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pyasync.checkpoint.common import MANIFEST, CheckpointChanged, CheckpointError, check_args, collective
+from pyasync.checkpoint.common import (
+    MANIFEST,
+    CheckpointChanged,
+    CheckpointError,
+    Target,
+    check_args,
+    collective,
+)
 from pyasync.checkpoint.reshard import reshard
 from pyasync.checkpoint.validate import compare, read_manifest, read_shard
-from pyasync.optimizer import DistributedOptimizer
 
 __all__ = ["load_checkpoint"]
 
 OK, INVALID, CHANGED = 1, 0, 2  # a rank's validation outcome, as sent in the all_gather
 
 
-def _validate(d: str, opt: DistributedOptimizer) -> tuple[dict, str]:
+def _validate(d: str, t: Target) -> tuple[dict, str]:
     """This rank's state dict from checkpoint ``d``, fully checked, and the save id of the manifest it
     came from; CheckpointError otherwise."""
     m = read_manifest(d)
     mpath = os.path.join(d, MANIFEST)
-    compare(mpath, m, opt)
-    if m["world_size"] == opt.world_size:
-        return read_shard(d, mpath, m, opt.rank, opt, opt.world_size), m["save_id"]
-    return reshard(d, mpath, m, opt), m["save_id"]
+    compare(mpath, m, t)
+    if m["world_size"] == t.world:
+        return read_shard(d, mpath, m, t.rank, t.world, t.layouts, t.param_groups), m["save_id"]
+    return reshard(d, mpath, m, t), m["save_id"]
 
 
 def _sid_int(save_id: str) -> int:
@@ -46,7 +53,7 @@ def _sid_int(save_id: str) -> int:
     return int.from_bytes(bytes.fromhex(save_id), "big", signed=True)
 
 
-def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
+def load_checkpoint(path: str | os.PathLike, opt: Any) -> None:
     """Load the checkpoint directory ``path`` into ``opt``, a DistributedOptimizer built for the same
     model, optimizer, policy, compression, bucket_cap_mb and world size (or another world size for
     SGD, Adam and AdamW: see Note [Re-sharding]). Collective: call on every rank, between steps
@@ -65,11 +72,11 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     CheckpointChanged (a CheckpointError) and nothing is loaded; retry. See Note [Loading while a save
     commits].
     """
-    d = check_args(path, opt, "load_checkpoint")
-    world = opt.world_size
+    d, t = check_args(path, opt, "load_checkpoint")
+    world = t.world
     sd, sid, err, status = None, "", "", OK
     try:
-        sd, sid = _validate(d, opt)
+        sd, sid = _validate(d, t)
     except CheckpointChanged as e:
         err, status = str(e), CHANGED
     except CheckpointError as e:
@@ -81,7 +88,7 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     flags = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
         collective(
-            opt, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine
+            t, "load_checkpoint: agreeing that every rank's part is valid", dist.all_gather, flags, mine
         )
     else:
         flags = [mine]
@@ -109,13 +116,14 @@ def load_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
             "was loaded; retry the load"
         )
     assert sd is not None
-    opt.load_state_dict(sd)  # the owners forget what the workers hold: exact replies from here ...
-    if all(int(f[2]) == 1 for f in flags):  # ... unless every rank's file says (Note [Checkpoints and
-        assert held is not None  # held values] in save.py)
-        opt.engine.shards.restore_held(held)
-        _install_held(opt, held)
+    t.load_state_dict(sd)  # the owners forget what the workers hold: exact replies from here ...
+    # ... unless every rank's file says so (Note [Checkpoints and held values] in save.py)
+    if all(int(f[2]) == 1 for f in flags):
+        assert held is not None
+        t.engine.shards.restore_held(held)
+        _install_held(t, held)
     else:
-        _install_all(opt)
+        _install_all(t)
 
 
 def _held_of(sd: dict) -> dict[int, torch.Tensor] | None:
@@ -130,12 +138,12 @@ def _held_of(sd: dict) -> dict[int, torch.Tensor] | None:
     return out
 
 
-def _install_held(opt: DistributedOptimizer, held: dict[int, torch.Tensor]) -> None:
+def _install_held(t: Target, held: dict[int, torch.Tensor]) -> None:
     """Give every rank's parameters what it held of every shard at the save: owner r sends worker w row
     w of its held values (one all_to_all over every bucket); every rank installs them (its worker's
     replica takes them too). See Note [Checkpoints and held values] in save.py."""
-    world = opt.world_size
-    layouts = opt.bucket_layouts
+    world = t.world
+    layouts = t.layouts
     widths = [max(s.numel for s in lay.shards) for lay in layouts]
     offs = [sum(widths[:b]) for b in range(len(layouts))]
     total = sum(widths)
@@ -148,9 +156,9 @@ def _install_held(opt: DistributedOptimizer, held: dict[int, torch.Tensor]) -> N
     if world > 1:
         recv = torch.empty_like(send)
         collective(
-            opt, "load_checkpoint: installing what every rank held", dist.all_to_all_single, recv, send
+            t, "load_checkpoint: installing what every rank held", dist.all_to_all_single, recv, send
         )
-    opt.engine.shards.install_values(
+    t.engine.shards.install_values(
         {
             (b, r): recv[r * total + offs[b] : r * total + offs[b] + sh.numel]
             for b, lay in enumerate(layouts)
@@ -160,13 +168,13 @@ def _install_held(opt: DistributedOptimizer, held: dict[int, torch.Tensor]) -> N
     )
 
 
-def _install_all(opt: DistributedOptimizer) -> None:
+def _install_all(t: Target) -> None:
     """Give every rank's parameters the loaded master values of every shard (all_gather per bucket)."""
-    rank, world = opt.rank, opt.world_size
+    rank, world = t.rank, t.world
     if world == 1:
         return  # load_state_dict already installed this rank's (= every) shard
-    masters = opt.engine.shards.masters()
-    for b, lay in enumerate(opt.bucket_layouts):
+    masters = t.engine.shards.masters()
+    for b, lay in enumerate(t.layouts):
         width = max(s.numel for s in lay.shards)
         if width == 0:
             continue
@@ -174,7 +182,7 @@ def _install_all(opt: DistributedOptimizer) -> None:
         if lay.shards[rank].numel > 0:
             mine[: lay.shards[rank].numel].copy_(masters[b].cpu())
         parts = [torch.empty_like(mine) for _ in range(world)]
-        collective(opt, "load_checkpoint: installing every shard", dist.all_gather, parts, mine)
-        opt.engine.shards.install_values(
+        collective(t, "load_checkpoint: installing every shard", dist.all_gather, parts, mine)
+        t.engine.shards.install_values(
             {(b, r): parts[r][: sh.numel] for r, sh in enumerate(lay.shards) if sh.numel > 0 and r != rank}
         )

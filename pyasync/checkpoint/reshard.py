@@ -9,30 +9,67 @@ the step count of the old segment that holds its first element (all segments of 
 together). Error-feedback residuals are re-sharded too, see Note [Re-sharding residuals]. Versions
 and clocks restart from zero as always.
 
-Note [Re-sharding residuals]. Versions
-and clocks restart from zero as always.
+Note [Re-sharding residuals]
+A residual belongs to a worker: slot (b, r) of worker w is what w still owes for the slice of bucket b
+that owner r holds, so w's slots concatenated over r give E_w, its residual for the whole bucket. An
+owner scales a push by 1/d (d: the policy's divisor; n for BSP, SSP and ASP, k for Quorum(k)), so the
+old run owes U = sum_w E_w / d_old per bucket. New worker v of m takes
+
+    F_v = (d_new / d_old) * sum of E_w over the old workers w with w mod m == v   (zeros if none)
+
+cut at the new shard bounds, so sum_v F_v / d_new = U: every old residual counts once and the scale
+undoes the change of divisor (F_v is summed in float64 and rounded once to float32). A residual stays
+whole on one worker rather than spread over all: it is one worker's compression-error state (for
+top-k, its unsent coordinates), and for m == n the rule is the identity. docs/reliability.md
+("Re-sharding") gives the caveats and what tests/checkpoint/test_checkpoint.py checks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pyasync.checkpoint.common import CheckpointError
+from pyasync.checkpoint.common import CheckpointError, Target
 from pyasync.checkpoint.validate import check_state, layouts_for, read_shard
-from pyasync.optimizer import DistributedOptimizer
 
-__all__ = ["reshard"]
+__all__ = ["cut_shard", "reshard"]
 
 
-def reshard(d: str, mpath: str, m: dict, opt: DistributedOptimizer) -> dict:
+def cut_shard(full: dict[str, torch.Tensor], steps: list[list[int]], old, new, device=None) -> dict:
+    """One new shard cut out of a whole bucket: ``full`` holds the bucket's "master" values and each
+    optimizer state tensor (``numel`` elements, bucket order), ``steps[r]`` the step count of each
+    segment of old shard r of ``old`` (the bucket's old BucketLayout); ``new`` is the new ShardLayout.
+    Returns {"master", "optim": {state names..., "steps"}}, copies (on ``device`` when given). Each
+    new segment takes the step count of the old segment holding its first element (all segments of
+    one parameter step together). See Note [Re-sharding]; membership changes re-shard with it too
+    (Note [Membership epochs] in session/membership.py)."""
+    spans = [
+        (sh.begin + seg.begin, sh.begin + seg.end, int(steps[r][i]))
+        for r, sh in enumerate(old.shards)
+        for i, seg in enumerate(sh.segments)
+    ]
+    seg_steps = []
+    for seg in new.segments:
+        at = new.begin + seg.begin
+        seg_steps.append(next(c for lo, hi, c in spans if lo <= at < hi))
+
+    def piece(t: torch.Tensor) -> torch.Tensor:
+        out = t[new.begin : new.end].clone()
+        return out if device is None else out.to(device)
+
+    optim = {k: piece(v) for k, v in full.items() if k != "master"}
+    optim["steps"] = torch.tensor(seg_steps, dtype=torch.int64)
+    return {"master": piece(full["master"]), "optim": optim}
+
+
+def reshard(d: str, mpath: str, m: dict, t: Target) -> dict:
     """This rank's state dict assembled from every shard file of a checkpoint saved by another number
     of ranks. See Note [Re-sharding]."""
     old_world = m["world_size"]
-    old_layouts = layouts_for(opt, old_world)
-    sds = [read_shard(d, mpath, m, r, opt, old_world) for r in range(old_world)]
+    old_layouts = layouts_for(t.layouts, t.numels, old_world)
+    sds = [read_shard(d, mpath, m, r, old_world, old_layouts, t.param_groups) for r in range(old_world)]
     out_shards = {}
-    for b, lay in enumerate(opt.bucket_layouts):
-        new = lay.shards[opt.rank]
+    for b, lay in enumerate(t.layouts):
+        new = lay.shards[t.rank]
         if new.numel == 0:
             continue
         parts = [(r, sh) for r, sh in enumerate(old_layouts[b].shards) if sh.numel > 0]
@@ -44,40 +81,33 @@ def reshard(d: str, mpath: str, m: dict, opt: DistributedOptimizer) -> dict:
         full["master"] = torch.cat([sds[r]["shards"][str(b)]["master"].reshape(-1) for r, _ in parts])
         for name in sorted(keys):
             full[name] = torch.cat([sds[r]["shards"][str(b)]["optim"][name].reshape(-1) for r, _ in parts])
-        # Step counts: each new segment takes the count of the old segment holding its first element.
-        spans = [
-            (sh.begin + seg.begin, sh.begin + seg.end, int(sds[r]["shards"][str(b)]["optim"]["steps"][i]))
-            for r, sh in parts
-            for i, seg in enumerate(sh.segments)
+        steps = [  # an empty shard has no segments
+            sds[r]["shards"][str(b)]["optim"]["steps"].tolist() if sh.numel > 0 else []
+            for r, sh in enumerate(old_layouts[b].shards)
         ]
-        steps = []
-        for seg in new.segments:
-            at = new.begin + seg.begin
-            steps.append(next(c for lo, hi, c in spans if lo <= at < hi))
-        optim = {k: full[k][new.begin : new.end].clone() for k in keys}
-        optim["steps"] = torch.tensor(steps, dtype=torch.int64)
+        cut = cut_shard(full, steps, old_layouts[b], new)
         out_shards[str(b)] = {
-            "master": full["master"][new.begin : new.end].clone(),
+            "master": cut["master"],
             "version": torch.tensor(0, dtype=torch.int64),
-            "processed": torch.zeros(opt.world_size, dtype=torch.int64),
-            "optim": optim,
+            "processed": torch.zeros(t.world, dtype=torch.int64),
+            "optim": cut["optim"],
         }
-    residuals = reshard_residuals(mpath, [sd["residuals"] for sd in sds], old_layouts, opt)
+    residuals = reshard_residuals(mpath, [sd["residuals"] for sd in sds], old_layouts, t)
     sd = dict(sds[0])
-    sd.update(rank=opt.rank, world_size=opt.world_size, shards=out_shards, residuals=residuals)
-    check_state(mpath + " (re-sharded)", sd, opt, opt.rank, opt.world_size, opt.bucket_layouts)
+    sd.update(rank=t.rank, world_size=t.world, shards=out_shards, residuals=residuals)
+    check_state(mpath + " (re-sharded)", sd, t.param_groups, t.rank, t.world, t.layouts)
     return sd
 
 
-def reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, opt: DistributedOptimizer) -> dict:
+def reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, t: Target) -> dict:
     """This rank's error-feedback residuals from those of the ``len(saved)`` old workers (each already
     checked against ``old_layouts``): new worker v takes old workers v, v + m, ..., summed and scaled
     by divisor(m) / divisor(n). See Note [Re-sharding residuals]."""
-    n, m, v = len(saved), opt.world_size, opt.rank
-    d_old, d_new = opt.policy.divisor(n), opt.policy.divisor(m)
+    n, m, v = len(saved), t.world, t.rank
+    d_old, d_new = t.policy.divisor(n), t.policy.divisor(m)
     mine = [w for w in range(n) if w % m == v]
     out: dict[tuple[int, int], torch.Tensor] = {}
-    for b, (old, new) in enumerate(zip(old_layouts, opt.bucket_layouts, strict=True)):
+    for b, (old, new) in enumerate(zip(old_layouts, t.layouts, strict=True)):
         total = None
         for w in mine:
             res = saved[w]

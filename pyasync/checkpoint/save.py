@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 import warnings
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from pyasync.checkpoint.common import (
     TMP_PREFIX,
     TMP_RE,
     CheckpointError,
+    Target,
     atomic_write,
     check_args,
     collective,
@@ -36,7 +38,6 @@ from pyasync.checkpoint.common import (
     manifest_names,
     shard_name,
 )
-from pyasync.optimizer import DistributedOptimizer
 
 __all__ = ["cleanup", "save_checkpoint"]
 
@@ -44,7 +45,7 @@ TMP_STALE_S = 3600.0  # a temporary file untouched this long (seconds) belongs t
 HEAD = 3 + dirlock.HOST_BYTES // 8  # int64s of rank 0's first broadcast: save id, lock, holder pid, host
 
 
-def drain(opt: DistributedOptimizer) -> None:
+def drain(t: Target) -> None:
     """Wait until every push made before this save (by any rank) has been processed by the shards this
     rank owns: processed[w] == clock of worker w for every owned shard. See Note [Checkpoint drain].
 
@@ -68,12 +69,12 @@ def drain(opt: DistributedOptimizer) -> None:
     behind this way (a step returns only when every rank's push of that clock is applied), so the
     pause changes nothing there.
     """
-    eng = opt.engine
-    world = opt.world_size
+    eng = t.engine
+    world = t.world
     mine = torch.tensor([eng.clock], dtype=torch.int64)
     clocks = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        collective(opt, "save_checkpoint: exchanging clocks", dist.all_gather, clocks, mine)
+        collective(t, "save_checkpoint: exchanging clocks", dist.all_gather, clocks, mine)
     else:
         clocks = [mine]
     eng.drain([int(c.item()) for c in clocks])
@@ -83,7 +84,7 @@ def drain(opt: DistributedOptimizer) -> None:
 # With compressed replies (a lossy codec, ``replies=True``: the default), a worker's parameters are not
 # the masters but the values it holds: what it decoded of the owners' coded changes, which trail the
 # masters by what the codec has not delivered yet (Note [Compressed replies on the point-to-point path]
-# in engine/replies.py, Note [Compressed replies] in engine/gather.py). The next reply encodes
+# in engine/core/replies.py, Note [Compressed replies] in engine/collective/gather.py). The next reply encodes
 # master - held, so a bit-identical resume needs both sides of ``held`` back, exactly:
 #
 # * saving changes nothing: the save drains and snapshots, it never replaces what the workers hold with
@@ -197,7 +198,7 @@ def _lock_error(d: str, head: torch.Tensor, rank: int, lk: dirlock.DirLock | Non
     return f"save_checkpoint({d!r}): rank 0 could not lock the directory (see its error); nothing was written"
 
 
-def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
+def save_checkpoint(path: str | os.PathLike, opt: Any) -> None:
     """Save ``opt`` (every rank's shard: fp32 master values, optimizer state, error-feedback residuals,
     clocks and versions, and with compressed replies what the workers hold of it: Note [Checkpoints and
     held values]) into the directory ``path``. Saving does not change the run. Collective: call on
@@ -218,19 +219,40 @@ def save_checkpoint(path: str | os.PathLike, opt: DistributedOptimizer) -> None:
     holds the directory lock ("another save is writing to ... (lock held by pid N on HOST)"); the
     previous checkpoint in ``path``, if any, is then left as it was.
     """
-    d = check_args(path, opt, "save_checkpoint")
-    lk = dirlock.DirLock(d) if opt.rank == 0 else None
+    d, t = check_args(path, opt, "save_checkpoint")
+    lk = dirlock.DirLock(d) if t.rank == 0 else None
     try:
-        _save(d, opt, lk)
-        opt._last_checkpoint = (d, opt._epoch)  # elastic: the lost shards' optimizer state comes from here
+        _save(d, t, lk)
+        t.epoch.last_checkpoint = d  # elastic: the lost shards' optimizer state comes from here
     finally:
         if lk is not None:
             lk.release()
 
 
-def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None:
-    rank, world = opt.rank, opt.world_size
-    eng = opt.engine
+class Written(NamedTuple):
+    """What this rank's part of a save produced (``_write``)."""
+
+    save_id: str  # 16 hex digits, rank 0's draw
+    fname: str  # this rank's shard file name
+    locked: bool  # rank 0 holds the directory lock (False: no flock here, or refused)
+    err: str  # why this rank's part failed ("" when it did not)
+    digest: bytes  # sha256 of the shard file (zeros when not written)
+    size: int  # bytes of the shard file (0 when not written)
+    clock: int  # this rank's clock at the save
+
+
+def _save(d: str, t: Target, lk: dirlock.DirLock | None) -> None:
+    """Write every rank's shard file, check that every rank did, and commit with rank 0's manifest."""
+    w = _write(d, t, lk)
+    table = _gather(d, t, w)
+    _commit(d, t, w, table)
+
+
+def _write(d: str, t: Target, lk: dirlock.DirLock | None) -> Written:
+    """Agree on a save id and the lock, drain, and write this rank's shard file, paused (Note [Quorum
+    and save]); a failure is returned in ``err`` (every rank reports it after the gather)."""
+    rank, world = t.rank, t.world
+    eng = t.engine
 
     # See Note [Quorum and save]: from here until this rank's state is taken, rounds do not wait for
     # this rank's pushes (it sends none while it saves).
@@ -244,15 +266,15 @@ def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None
         else:
             head = torch.zeros(HEAD, dtype=torch.int64)
         if world > 1:
-            collective(opt, "save_checkpoint: agreeing on a save id and the lock", dist.broadcast, head,
-                       src=global_src(opt))
+            collective(t, "save_checkpoint: agreeing on a save id and the lock", dist.broadcast, head,
+                       src=global_src(t))
         err = _lock_error(d, head, rank, lk)
         if rank == 0 and int(head[1]) == dirlock.UNLOCKED:
             warnings.warn(
                 f"save_checkpoint({d!r}): {lk.error if lk else 'no flock'}; saving without the directory "
                 "lock (concurrent saves into this directory are not refused; see docs/reliability.md)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         locked = int(head[1]) == dirlock.HELD
         save_id = f"{int(head[0]):016x}"
@@ -263,9 +285,9 @@ def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None
         try:
             # The drain's all_gather runs even when the lock was refused: it is the first meeting of
             # Note [Barriers and quorums], and a rank that fails here still reaches the next one.
-            drain(opt)
+            drain(t)
             if not err:
-                sd = opt.state_dict()
+                sd = t.state_dict()
                 os.makedirs(d, exist_ok=True)
                 buf = io.BytesIO()
                 torch.save(sd, buf)
@@ -281,28 +303,37 @@ def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None
             eng.resume()
         except Exception as e:  # reported on every rank below
             err = err or f"rank {rank}: {type(e).__name__}: {e}"
+    return Written(save_id, fname, locked, err, digest, size, clock)
 
+
+def _gather(d: str, t: Target, w: Written) -> list[torch.Tensor]:
+    """Every rank's (ok, size, clock, sha256); CheckpointError on every rank when any rank failed."""
+    world = t.world
     # Gather (ok, size, clock, sha256) from every rank. This also makes the save a barrier: no rank
     # pushes for its next step before every owner has taken its state.
     mine = torch.zeros(7, dtype=torch.int64)
-    mine[0], mine[1], mine[2] = int(not err), size, clock
-    mine[3:] = torch.frombuffer(bytearray(digest), dtype=torch.int64)
+    mine[0], mine[1], mine[2] = int(not w.err), w.size, w.clock
+    mine[3:] = torch.frombuffer(bytearray(w.digest), dtype=torch.int64)
     table = [torch.zeros_like(mine) for _ in range(world)]
     if world > 1:
-        collective(opt, "save_checkpoint: gathering every rank's result", dist.all_gather, table, mine)
+        collective(t, "save_checkpoint: gathering every rank's result", dist.all_gather, table, mine)
     else:
         table = [mine]
     failed = [r for r in range(world) if int(table[r][0]) != 1]
     if failed:
-        if not err:  # this rank's file is an orphan now: the manifest will not name it
+        if not w.err:  # this rank's file is an orphan now: the manifest will not name it
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(d, fname))
+                os.unlink(os.path.join(d, w.fname))
         raise CheckpointError(
-            err or f"save_checkpoint({d!r}): rank(s) {failed} could not write their shard file (see their "
-            "error); the previous checkpoint in this directory, if any, is unchanged"
+            w.err or f"save_checkpoint({d!r}): rank(s) {failed} could not write their shard file (see "
+            "their error); the previous checkpoint in this directory, if any, is unchanged"
         )
+    return table
 
-    # Rank 0 commits with the manifest; the others learn whether it worked.
+
+def _commit(d: str, t: Target, w: Written, table: list[torch.Tensor]) -> None:
+    """Rank 0 commits with the manifest; the others learn whether it worked. Then rank 0 cleans up."""
+    rank, world, save_id = t.rank, t.world, w.save_id
     commit_err = ""
     keep = {shard_name(save_id, r, world) for r in range(world)}
     before_ns, replaced = 0, None
@@ -312,11 +343,11 @@ def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None
             "format_version": FORMAT_VERSION,
             "world_size": world,
             "save_id": save_id,
-            "policy": opt.policy.spec(),
-            "compression": opt.compressor.spec(),
+            "policy": t.policy.spec(),
+            "compression": t.compressor.spec(),
             "torch_version": torch.__version__,
-            "clocks": [int(t[2]) for t in table],
-            **opt.describe(),
+            "clocks": [int(x[2]) for x in table],
+            **t.describe(),
             "shards": [
                 {
                     "rank": r,
@@ -335,14 +366,14 @@ def _save(d: str, opt: DistributedOptimizer, lk: dirlock.DirLock | None) -> None
             commit_err = f"rank 0 could not write {os.path.join(d, MANIFEST)}: {type(e).__name__}: {e}"
     flag = torch.tensor([int(not commit_err)], dtype=torch.int64)
     if world > 1:
-        collective(opt, "save_checkpoint: the commit", dist.broadcast, flag, src=global_src(opt))
+        collective(t, "save_checkpoint: the commit", dist.broadcast, flag, src=global_src(t))
     if int(flag.item()) != 1:
         # The new shard files are orphans; the old manifest (if any) still names the old, intact ones.
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(d, fname))
+            os.unlink(os.path.join(d, w.fname))
         raise CheckpointError(
             (commit_err or f"save_checkpoint: rank 0 could not write {os.path.join(d, MANIFEST)}")
             + "; the previous checkpoint in this directory, if any, is unchanged"
         )
     if rank == 0:  # committed: remove what no manifest names any more (best effort), still locked
-        cleanup(d, keep, before_ns, replaced, locked)
+        cleanup(d, keep, before_ns, replaced, w.locked)

@@ -26,10 +26,10 @@ from pyasync.checkpoint.common import (
     SHARD_RE,
     CheckpointChanged,
     CheckpointError,
+    Target,
     manifest_names,
 )
 from pyasync.engine.core.shards import build_layout
-from pyasync.optimizer import DistributedOptimizer
 
 
 def read_manifest(d: str) -> dict[str, Any]:
@@ -64,12 +64,13 @@ def _strip_bounds(b: Any) -> Any:
     return {k: v for k, v in b.items() if k != "shard_bounds"} if isinstance(b, dict) else b
 
 
-def compare(mpath: str, m: dict[str, Any], opt: DistributedOptimizer) -> None:
-    mine = opt.describe()
-    if m["world_size"] != opt.world_size:
-        if not opt.fused_rule:
+def compare(mpath: str, m: dict[str, Any], t: Target) -> None:
+    """The manifest ``m`` describes this optimizer (another world size only with a fused rule)."""
+    mine = t.describe()
+    if m["world_size"] != t.world:
+        if not t.fused:
             raise CheckpointError(
-                f"{mpath}: saved by {m['world_size']} ranks, this run has {opt.world_size}; re-sharding to "
+                f"{mpath}: saved by {m['world_size']} ranks, this run has {t.world}; re-sharding to "
                 "another world size is supported for SGD, Adam and AdamW only (this optimizer runs "
                 "the generic rule)"
             )
@@ -92,7 +93,7 @@ def compare(mpath: str, m: dict[str, Any], opt: DistributedOptimizer) -> None:
                 f"{mpath}: the {key} differ from this optimizer's{where}; build the same model, optimizer "
                 "and bucket_cap_mb as when saving"
             )
-    for key, have in (("policy", opt.policy.spec()), ("compression", opt.compressor.spec())):
+    for key, have in (("policy", t.policy.spec()), ("compression", t.compressor.spec())):
         if m.get(key) != have:
             raise CheckpointError(
                 f"{mpath}: saved with {key} {m.get(key)!r}, this optimizer uses {have!r}; use the same {key}"
@@ -107,9 +108,9 @@ def _check_tensor(fpath: str, where: str, t: Any, numel: int | None, dtype: torc
         raise CheckpointError(f"{fpath}: {where} has {t.numel()} elements, expected {numel}")
 
 
-def check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, world: int, layouts) -> None:
+def check_state(fpath: str, sd: Any, param_groups: list[dict], rank: int, world: int, layouts) -> None:
     """Everything DistributedOptimizer.load_state_dict will read (for shard ``rank`` of ``world`` of
-    ``layouts``), checked before it runs."""
+    ``layouts``, and an optimizer of these ``param_groups``), checked before it runs."""
     if not isinstance(sd, dict) or not isinstance(sd.get("shards"), dict):
         raise CheckpointError(f"{fpath}: not a pyasync shard (no 'shards' dict)")
     if sd.get("rank") != rank or sd.get("world_size") != world:
@@ -163,15 +164,18 @@ def check_state(fpath: str, sd: Any, opt: DistributedOptimizer, rank: int, world
         if not bool(torch.isfinite(t).all()):  # a compressor never keeps one (see compression.py)
             raise CheckpointError(f"{fpath}: residuals[{k}] holds NaN or Inf")
     groups = sd.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
-        raise CheckpointError(f"{fpath}: expected {len(opt.param_groups)} param_groups")
+    if not isinstance(groups, list) or len(groups) != len(param_groups):
+        raise CheckpointError(f"{fpath}: expected {len(param_groups)} param_groups")
     for i, g in enumerate(groups):
-        if not isinstance(g, dict) or set(g) != {k for k in opt.param_groups[i] if k != "params"}:
+        if not isinstance(g, dict) or set(g) != {k for k in param_groups[i] if k != "params"}:
             raise CheckpointError(f"{fpath}: param_groups[{i}] has different keys than this optimizer's")
 
 
-def read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer, world: int) -> dict:
-    """Rank ``rank``'s (of ``world``) shard file: size, sha256, weights_only load, structure."""
+def read_shard(
+    d: str, mpath: str, m: dict, rank: int, world: int, layouts: list, param_groups: list[dict]
+) -> dict:
+    """Rank ``rank``'s (of ``world``) shard file of a checkpoint saved with ``layouts``: size, sha256,
+    weights_only load, structure (for an optimizer of these ``param_groups``)."""
     entry = next((s for s in m["shards"] if isinstance(s, dict) and s.get("rank") == rank), None)
     if entry is None or not isinstance(entry.get("file"), str) or not SHARD_RE.match(entry["file"]):
         raise CheckpointError(f"{mpath}: no valid shard entry for rank {rank}")
@@ -204,19 +208,18 @@ def read_shard(d: str, mpath: str, m: dict, rank: int, opt: DistributedOptimizer
         sd = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything but plain data
         raise CheckpointError(f"{fpath}: cannot be loaded with weights_only=True: {e}") from e
-    layouts = opt.bucket_layouts if world == opt.world_size else layouts_for(opt, world)
-    check_state(fpath, sd, opt, rank, world, layouts)
+    check_state(fpath, sd, param_groups, rank, world, layouts)
     return sd
 
 
-def layouts_for(opt: DistributedOptimizer, world: int) -> list:
-    """This optimizer's buckets cut into ``world`` shards (the saving run's layout when re-sharding)."""
-    numels = [p.numel() for _, p in opt.named_params]
+def layouts_for(layouts: list, numels: list[int], world: int) -> list:
+    """The buckets of ``layouts`` (of parameters of ``numels`` elements) cut into ``world`` shards (the
+    saving run's layout when re-sharding)."""
     groups = [0] * len(numels)
-    for lay in opt.bucket_layouts:
+    for lay in layouts:
         for sh in lay.shards:
             for seg in sh.segments:
                 groups[seg.param] = seg.group
-    return build_layout([lay.params for lay in opt.bucket_layouts], numels, groups, world)
+    return build_layout([lay.params for lay in layouts], numels, groups, world)
 
 

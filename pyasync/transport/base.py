@@ -62,6 +62,9 @@ class Transport(abc.ABC):
     #: saw their connection end) instead of raising PeerFailure; sends to them are dropped from then on.
     on_lost = None
     departed: frozenset[int] = frozenset()
+    #: ``start_heartbeats`` really watches the peers for silence (elastic membership needs it: a stopped
+    #: peer closes no connection); False where the heartbeat methods do nothing.
+    probes_liveness: bool = False
 
     def lose(self, ranks) -> None:
         """``ranks`` left the membership: drop every later send to them, and tell ``on_lost``."""
@@ -115,6 +118,17 @@ class Transport(abc.ABC):
     def wait_failures(self, seconds: float) -> dict[int, str]:
         """Peers this transport saw fail (rank -> what happened), waiting up to ``seconds`` for one."""
         return {}
+
+    def start_heartbeats(self, deadline, watched) -> None:
+        """Start watching the peers of ``watched()`` (a callable giving ranks) for silence longer than
+        ``deadline()`` seconds, dropping them with ``lose`` (Note [Heartbeats] in
+        pyasync/transport/heartbeats.py). Here: nothing, for transports without liveness probing (gloo);
+        ``probes_liveness`` says which kind a transport is."""
+        return None
+
+    def stop_heartbeats(self) -> None:
+        """Stop what ``start_heartbeats`` started (idempotent). Here: nothing (no liveness probing)."""
+        return None
 
     # -- staging and reuse (concrete; see the module docstring) ----------------------------------------
     def frame_ring(self, nbytes: int, device: torch.device, count: int = 2) -> FrameRing:

@@ -1,5 +1,13 @@
-"""Byte-level helpers of the TCP transport (transport/tcp.py): whole writes that wait while the peer
-takes bytes (Note [Fair intake] in pyasync/engine/p2p/intake.py) and exact reads on a socket."""
+"""Byte-level helpers of the TCP transport (transport/tcp.py): the wire's length prefix and markers,
+whole writes that wait while the peer takes bytes (Note [Fair intake] in pyasync/engine/p2p/intake.py)
+and exact reads on a socket.
+
+Every message on a TCP connection is a :data:`LENGTH` (8 bytes, little-endian), then that many bytes.
+Three lengths no message can have are markers, and nothing but what is said here follows them:
+:data:`BYE` (nothing: the sender closed cleanly), :data:`GAVE_UP` (a length and a text: the sender
+stopped after a failure of its own) and :data:`HEARTBEAT` (nothing: the sender is alive). The set-up
+handshake, sent once before any message, is transport/tcp.py's (Note [Hostile connections at set-up]).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,23 @@ import time
 
 import torch
 
-__all__ = ["Deadline", "as_bytes", "recv_exact", "recv_exact_into", "send_while_taken", "unsent"]
+__all__ = [
+    "BYE",
+    "GAVE_UP",
+    "HEARTBEAT",
+    "LENGTH",
+    "Deadline",
+    "as_bytes",
+    "recv_exact",
+    "recv_exact_into",
+    "send_while_taken",
+    "unsent",
+]
+
+LENGTH = struct.Struct("<Q")  # the length prefix of every message on the TCP transport
+BYE = (1 << 64) - 1  # nothing follows: the sender closed cleanly (its connection's end is not a failure)
+GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
+HEARTBEAT = (1 << 64) - 3  # nothing follows: the sender is alive (Note [Heartbeats] in heartbeats.py)
 
 
 class Deadline:

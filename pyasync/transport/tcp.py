@@ -15,10 +15,12 @@ Note [Why sockets]
     short (the socket timeout applies per system call). TCP's own flow control is the backpressure of a
     receiver that stops reading (a bounded intake, see pyasync/engine/p2p/owner.py).
 
-Wire: every message is an 8-byte little-endian length, then that many bytes. A length of ``BYE`` says
-the sender closed cleanly: its connection's end is not a failure. A length of ``GAVE_UP``, then a
-length and a text, says the sender stopped because of a failure of its own (``abort(reason)``): its
-peers report that reason, so the first cause travels instead of "rank i died". Connections are set up
+Wire: every message is an 8-byte little-endian length, then that many bytes (the length prefix and
+the markers are pyasync/transport/sockets.py's). A length of ``BYE`` says the sender closed cleanly:
+its connection's end is not a failure. A length of ``GAVE_UP``, then a length and a text, says the
+sender stopped because of a failure of its own (``abort(reason)``): its peers report that reason, so
+the first cause travels instead of "rank i died". A length of ``HEARTBEAT`` says the sender is alive
+(Note [Heartbeats] in pyasync/transport/heartbeats.py). Connections are set up
 once: every rank listens, the ranks all-gather (address, port) on a gloo group with the job's token,
 and rank i connects to every rank j > i once per flow, with a handshake (magic, token, rank, flow) that the
 accepting side checks (connections that are not the job's are refused without harm: Note [Hostile
@@ -67,17 +69,26 @@ import torch.distributed as dist
 from pyasync.errors import PeerFailure
 from pyasync.transport.base import FLOWS, Handle, Transport, TransportClosed
 from pyasync.transport.frames import FrameRing
-from pyasync.transport.heartbeats import _LEN, HEARTBEAT, Heartbeats
-from pyasync.transport.sockets import Deadline, as_bytes, recv_exact, recv_exact_into, send_while_taken
+from pyasync.transport.heartbeats import Heartbeats
+from pyasync.transport.sockets import (
+    BYE,
+    GAVE_UP,
+    HEARTBEAT,
+    LENGTH,
+    Deadline,
+    as_bytes,
+    recv_exact,
+    recv_exact_into,
+    send_while_taken,
+)
 
 __all__ = ["TcpTransport", "TransportClosed"]
 
 _MAGIC = 0x5059415359544350  # "PYASYTCP"
 _HANDSHAKE = struct.Struct("<qqqq")  # magic, token, rank, flow
-BYE = (1 << 64) - 1
-GAVE_UP = (1 << 64) - 2  # then a length and the reason, utf-8: the sender stopped after a failure of its own
 _BUF_BYTES = 4 << 20  # socket send / receive buffer asked for
-_HANDSHAKE_S = 5.0  # how long an accepted connection may take to send its handshake (Note [Hostile ...])
+#: How long an accepted connection may take to send its handshake (Note [Hostile connections at set-up]).
+_HANDSHAKE_S = 5.0
 _PENDING_MAX = 64  # handshakes awaited at once at set-up; beyond, the oldest connection is dropped
 _LOGGED_MAX = 16  # refused set-up connections logged one by one (then only counted)
 
@@ -303,11 +314,14 @@ def _accept_peers(
     return _Acceptor(listener, token, expected, rank, timeout_s, end, handshake_s).run()
 
 
-class TcpTransport(Heartbeats, Transport):
+class TcpTransport(Transport):
     """Point-to-point messages among the ranks of ``process_group`` over TCP.
 
     ``process_group`` (a gloo group; None: the default group) is used once, to exchange addresses;
-    ``timeout`` bounds the set-up and every send and every message once it started arriving."""
+    ``timeout`` bounds the set-up and every send and every message once it started arriving. It owns
+    its :class:`~pyasync.transport.heartbeats.Heartbeats` (elastic membership, Note [Heartbeats])."""
+
+    probes_liveness = True
 
     def __init__(
         self,
@@ -333,9 +347,19 @@ class TcpTransport(Heartbeats, Transport):
         self._served = {f: -1 for f in FLOWS}  # the peer recv_any took the last message from, per flow
         self._woken = False  # the wake-up bytes are written: the pipes may be released
         self._heard: dict[int, float] = {}  # peer -> when something last came from it (heartbeats)
-        self._beats: threading.Thread | None = None
-        self._beats_off = threading.Event()
         self._closed = False
+        self._heartbeats = Heartbeats(
+            self.rank,
+            self.world_size,
+            socks=self._socks,
+            locks=self._locks,
+            heard=self._heard,
+            failed=self._failed,
+            gone=self._gone,
+            departed=lambda: self.departed,
+            closed=lambda: self._closed,
+            lose=self.lose,
+        )
         self._wake = {f: socket.socketpair() for f in FLOWS}
         self._sel = {f: selectors.DefaultSelector() for f in FLOWS}
         for f in FLOWS:
@@ -405,6 +429,16 @@ class TcpTransport(Heartbeats, Transport):
         self._locks[(flow, peer)] = threading.Lock()
         self._sel[flow].register(s, selectors.EVENT_READ, peer)
 
+    # -- heartbeats -----------------------------------------------------------------------------------
+    def start_heartbeats(self, deadline, watched) -> None:
+        """Send heartbeats and drop the ``watched()`` peers silent for ``deadline()`` seconds (Note
+        [Heartbeats] in pyasync/transport/heartbeats.py)."""
+        self._heartbeats.start(deadline, watched)
+
+    def stop_heartbeats(self) -> None:
+        """Stop sending heartbeats and watching for silence (bounded join)."""
+        self._heartbeats.stop()
+
     # -- failures -------------------------------------------------------------------------------------
     def failed(self) -> dict[int, str]:
         """Ranks whose connection broke (closed without a goodbye, reset): rank -> what happened."""
@@ -450,18 +484,18 @@ class TcpTransport(Heartbeats, Transport):
         for s in readable:
             f, peer = socks[s]
             try:
-                head = s.recv(_LEN.size, socket.MSG_PEEK)
-                while len(head) == _LEN.size and _LEN.unpack(head)[0] == HEARTBEAT:
-                    s.recv(_LEN.size)  # a heartbeat nobody read: consume it, look behind it
+                head = s.recv(LENGTH.size, socket.MSG_PEEK)
+                while len(head) == LENGTH.size and LENGTH.unpack(head)[0] == HEARTBEAT:
+                    s.recv(LENGTH.size)  # a heartbeat nobody read: consume it, look behind it
                     if not select.select([s], [], [], 0)[0]:
                         head = None
                         break
-                    head = s.recv(_LEN.size, socket.MSG_PEEK)
+                    head = s.recv(LENGTH.size, socket.MSG_PEEK)
                 if head is None:
                     continue
                 if head == b"":
                     self._fail(peer, f"its connection on flow {f} ended without a goodbye")
-                elif len(head) == _LEN.size and _LEN.unpack(head)[0] == GAVE_UP:
+                elif len(head) == LENGTH.size and LENGTH.unpack(head)[0] == GAVE_UP:
                     s.settimeout(1.0)
                     with contextlib.suppress(PeerFailure):
                         self._read_one(s, peer, f, torch.empty(0, dtype=torch.uint8))
@@ -502,7 +536,7 @@ class TcpTransport(Heartbeats, Transport):
         view = as_bytes(buf)
         with self._locks[(flow, dst)]:
             try:
-                send_while_taken(s, [_LEN.pack(len(view)), view], self.timeout_s)
+                send_while_taken(s, [LENGTH.pack(len(view)), view], self.timeout_s)
             except TimeoutError as e:
                 raise TimeoutError(
                     f"pyasync: rank {dst} did not take a {len(view)}-byte message on flow {flow}, nor any "
@@ -594,8 +628,8 @@ class TcpTransport(Heartbeats, Transport):
         """Read one message from ``peer`` into ``buf``; False when it was a goodbye, None for a
         heartbeat (nothing to deliver)."""
         try:
-            head = recv_exact(s, _LEN.size)
-            (n,) = _LEN.unpack(head)
+            head = recv_exact(s, LENGTH.size)
+            (n,) = LENGTH.unpack(head)
             self._heard[peer] = time.monotonic()
             if n == HEARTBEAT:
                 return None
@@ -604,7 +638,7 @@ class TcpTransport(Heartbeats, Transport):
                 self._sel[flow].unregister(s)
                 return False
             if n == GAVE_UP:
-                (m,) = _LEN.unpack(recv_exact(s, _LEN.size))
+                (m,) = LENGTH.unpack(recv_exact(s, LENGTH.size))
                 raise self._gave_up(peer, bytes(recv_exact(s, min(m, 1 << 16))))
             view = as_bytes(buf)
             if n > len(view):
@@ -637,7 +671,7 @@ class TcpTransport(Heartbeats, Transport):
                 try:
                     s.settimeout(min(self.timeout_s, 5.0))
                     with self._locks[(f, peer)]:
-                        s.sendall(_LEN.pack(BYE))
+                        s.sendall(LENGTH.pack(BYE))
                     s.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
@@ -671,14 +705,14 @@ class TcpTransport(Heartbeats, Transport):
                     continue
                 try:
                     s.settimeout(1.0)
-                    s.sendall(_LEN.pack(GAVE_UP) + _LEN.pack(len(why)) + why)
+                    s.sendall(LENGTH.pack(GAVE_UP) + LENGTH.pack(len(why)) + why)
                 except OSError:
                     pass
                 finally:
                     lock.release()
 
     def _shutdown(self) -> None:
-        self._beats_off.set()
+        self._heartbeats.halt()
         with self._readers_lock:  # no reader may release the wake-up pipes while they are written
             self._closed = True
             for f in FLOWS:

@@ -5,8 +5,8 @@ K steps and MORE steps and never saves; C loads A's checkpoint in fresh processe
 from another seed) and trains MORE steps. At the end A == B == C bit for bit: the parameters each rank
 holds (with coded replies, the values the replies track, not the masters), the masters and optimizer
 state, and the parameters after close() (the masters). Under BSP on collectives (the compressed gather,
-Note [Compressed replies] in engine/gather.py) and on the point-to-point engine (Note [Compressed
-replies on the point-to-point path] in engine/replies.py). B is the reference: a run that also saved
+Note [Compressed replies] in engine/collective/gather.py) and on the point-to-point engine (Note [Compressed
+replies on the point-to-point path] in engine/core/replies.py). B is the reference: a run that also saved
 would hide a save that changes the run.
 
 Also: a checkpoint without the held values (as older pyasync wrote) still loads, with the old behaviour

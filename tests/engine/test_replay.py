@@ -1,5 +1,5 @@
-"""Replaying a dead owner's pushes (engine/replay.py) and the clocks answers reflect (Note [Reflected
-clocks] in engine/round.py): in-process, no network. The multi-process ledger with real kills is in
+"""Replaying a dead owner's pushes (engine/p2p/replay.py) and the clocks answers reflect (Note [Reflected
+clocks] in engine/core/round.py): in-process, no network. The multi-process ledger with real kills is in
 tests/faults/test_membership.py."""
 
 import pytest

@@ -15,6 +15,7 @@ from _dist import multiproc, run_workers
 from pyasync.errors import PeerFailure
 from pyasync.transport import tcp
 from pyasync.transport.base import TransportClosed
+from pyasync.transport.sockets import LENGTH
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -168,7 +169,7 @@ def test_a_peer_stalled_mid_message_is_a_timeout_naming_it():
     a, b = socket.socketpair()
     try:
         b.settimeout(0.2)
-        a.sendall(tcp._LEN.pack(100) + b"x" * 10)  # announces 100 bytes, sends 10, then nothing
+        a.sendall(LENGTH.pack(100) + b"x" * 10)  # announces 100 bytes, sends 10, then nothing
         tr = object.__new__(tcp.TcpTransport)  # the read path only needs these fields
         tr._closed, tr.timeout_s, tr._failed, tr._failure = False, 0.2, {}, threading.Event()
         tr._gone, tr._sel, tr._heard = {"push": set()}, {}, {}

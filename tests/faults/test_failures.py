@@ -203,19 +203,19 @@ def _killed_after_a_slow_reader(rank, world, policy, point, victim, ready, seen,
     """``_killed``, with rank 2 slow to read the keys of the constructor's last meeting: it reads them
     only once the victim (the store's host) has returned from its constructor and died (or 5 s later,
     when the victim is still in its constructor: Note [The store's host leaves last])."""
-    import pyasync.optimizer as optimizer_mod
+    import pyasync.session.bootstrap as bootstrap_mod
     import pyasync.session.meet as meet
 
     if rank == victim:
         pid.value = os.getpid()
-        settle = optimizer_mod.settle
+        settle = bootstrap_mod.settle
 
         def settle_then_say(*a, **k):
             out = settle(*a, **k)
             left.set()
             return out
 
-        optimizer_mod.settle = settle_then_say
+        bootstrap_mod.settle = settle_then_say
     elif rank == 2:
         wait_keys = meet._wait_keys
 

@@ -26,17 +26,17 @@ WORLD, VICTIM = 3, 2  # rank 0 is the broadcast's source: its broadcast returns 
 def _arm(point: str) -> None:
     """Make this process SIGKILL itself at ``point`` of the constructor (the tests' usual way: replace
     the function that runs there, in this process only)."""
-    import pyasync.optimizer as optimizer_mod
+    import pyasync.session.bootstrap as bootstrap_mod
     import pyasync.transport.tcp as tcp_mod
 
     if point == "after_meet":  # the meeting passed; the private gloo group is next
-        optimizer_mod.control_group = lambda *a, **k: die()
+        bootstrap_mod.control_group = lambda *a, **k: die()
     elif point == "transport":  # inside the transport's set-up: after the address all-gather
         tcp_mod.Deadline = lambda *a, **k: die()
     elif point == "agreement":
-        optimizer_mod.check_agreement = lambda *a, **k: die()
+        bootstrap_mod.check_agreement = lambda *a, **k: die()
     elif point == "broadcast":  # rank 0 sends to everyone; the victim dies instead of receiving
-        optimizer_mod.DistributedOptimizer._broadcast_initial = lambda self: die()
+        bootstrap_mod.broadcast_initial = lambda *a, **k: die()
     else:
         raise ValueError(point)
 

@@ -3,7 +3,7 @@ epoch, re-shard and keep training. Real processes on loopback, real signals, bou
 
 The ledger: SGD with lr=1 on one-hot gradients, so every push (worker w, step t) moves exactly one
 element, by 1/n before the epoch change and by 1/m after it. Every survivor's push must be there exactly
-once, those to the dead owner too (replayed on the freshest replica: engine/replay.py); replicas are
+once, those to the dead owner too (replayed on the freshest replica: engine/p2p/replay.py); replicas are
 equal after close()."""
 
 from __future__ import annotations

@@ -19,17 +19,22 @@ Note [BSP on collectives]
       as the point-to-point engine does, and ``all_to_all`` hands every owner the n frames of its
       shard; the owner validates each header, decodes and sums them in rank order (x 1/n; the sum
       does not depend on arrival order, Note [Rank-order sum]);
-    * the owner applies the mean with the fused kernel (engine/rule.py) on its shard, clipped first
+    * the owner applies the mean with the fused kernel (engine/core/rule.py) on its shard, clipped first
       under ``max_grad_norm`` (one all-reduce of the ranks' squared norms: the mean gradient's norm,
       as DDP + ``clip_grad_norm_``);
     * an all-gather of the new shard values (each padded to the largest shard; on gloo point-to-point
-      sends of the shard to every rank, engine/gather.py) installs them on every rank, so replicas are
-      equal after every step.
+      sends of the shard to every rank, engine/collective/gather.py) installs them on every rank, so
+      replicas are equal after every step.
 
     Each bucket's reduce is launched from the backward hooks, as DDP's all-reduce is, and what the
     caller leaves in ``.grad`` when ``step()`` is called is still what is reduced: a bucket edited after
     its hook on any rank is reduced again by every rank (Note [Reduces launched from backward] in
-    engine/overlap.py).
+    engine/collective/overlap.py).
+
+    The engine is built from objects that receive what they use: its Failures (engine/core/failures.py),
+    the step's collectives on the optimizer's group (StepGroup, group.py), the shards it owns
+    (OwnedShards, owned.py), the reduce (Reducer, overlap.py, over each bucket's BucketReduce,
+    reduce.py) and the gather (Gatherer, gather.py).
 
 Note [Joining]
     The contract of close() holds under BSP too: a rank may stop early, and its close() returns once
@@ -48,67 +53,30 @@ from __future__ import annotations
 import datetime
 import math
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
 
 from pyasync.engine import wire
-from pyasync.engine.collective.gather import StepGather
-from pyasync.engine.collective.overlap import StepOverlap
+from pyasync.engine.collective.gather import Gatherer
+from pyasync.engine.collective.group import StepGroup
+from pyasync.engine.collective.overlap import Reducer
+from pyasync.engine.collective.owned import OwnedShards
+from pyasync.engine.collective.reduce import BucketReduce
 from pyasync.engine.core.access import ShardAccess, initial_masters
 from pyasync.engine.core.capture import Capture, check_grads
-from pyasync.engine.core.failures import EngineBase
+from pyasync.engine.core.failures import Failures
 from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.shards import BucketLayout
 from pyasync.engine.core.stats import Stats
-from pyasync.errors import PeerFailure
-from pyasync.session.meet import collective_failure, roll_call
 
 __all__ = ["CollectiveEngine"]
 
-# torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_ROLL_CALL = datetime.timedelta(seconds=5)  # how long survivors wait for each other to name the absent
 
-
-@dataclass
-class _Book:
-    """Versions and clocks of one owned shard (what checkpoints record)."""
-
-    version: int
-    processed: list[int]
-
-
-@dataclass
-class _Owned:
-    round: _Book
-    state: object  # rule.ShardState
-
-
-class _Here:
-    """Runs ShardAccess's calls in the calling thread: there is no applier thread to hand them to."""
-
-    def __init__(self, shards: dict[int, _Owned]) -> None:
-        self.shards = shards
-
-    def call(self, fn, timeout) -> list:
-        return [fn(self)]
-
-    def loaded(self, bucket: int) -> None:
-        """Nothing to forget: the replica takes the values the load installs (CollectiveEngine._touched)."""
-
-
-#: What a survivor of a dead rank can do under BSP on collectives (it cannot go on without it).
-_RESUME = (
-    "BSP on collectives cannot go on without a rank: resume from the last checkpoint "
-    "(pyasync.load_checkpoint), or train with elastic=True under bsp:p2p, SSP, ASP or Quorum"
-)
-
-
-class CollectiveEngine(StepOverlap, StepGather, EngineBase):
-    """BSP for one rank over collectives (Note [BSP on collectives]); the Engine's narrow API."""
+class CollectiveEngine:
+    """BSP for one rank over collectives (Note [BSP on collectives]); the EngineProtocol of
+    engine/core/protocol.py."""
 
     def __init__(
         self,
@@ -130,71 +98,108 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         grad_edits: str = "detect",
     ) -> None:
         self.params, self.layouts, self.policy, self.rule = params, layouts, policy, rule
-        self.comp, self.spec, self.names = compressor, spec, names
+        self.spec, self.names = spec, names
         self.rank, self.n, self.timeout = rank, world_size, timeout
-        self.transport, self.control = transport, control
-        self.on_nonfinite, self.max_grad_norm, self.grad_edits = on_nonfinite, max_grad_norm, grad_edits
-        self.device = params[0].device
-        self.codec = compressor.wire_params(1)[0]
+        self.transport = transport
+        self.on_nonfinite, self.max_grad_norm = on_nonfinite, max_grad_norm
+        self.lost: set[int] = set()  # no rank leaves BSP on collectives: it fails instead
+        self.drained = False  # no epoch change here (elastic needs the point-to-point engine)
         self.cond = threading.Condition()
-        self.init_failures()
-        self.rounds = 0  # step collectives run (steps and joins)
-        self.seen_active = -1  # ranks that pushed in the last step, as this rank's shards saw it
+        self.failures = Failures(
+            cond=self.cond, rank=rank, names=names, layouts=layouts, policy=policy, closed=lambda: self.closed
+        )
         self.clock = 0
         self.closed = False
         self.grad_norm: float | None = None
         self.wait_seconds = 0.0
         self.st = Stats()
-        self.raw_bytes = 0  # fp32 bytes of the slices encoded (compressed pushes)
-        self.enc_bytes = 0  # their encoded bytes
-        masters = initial_masters(params, layouts, rank)
-        self.owned = {
-            b: _Owned(_Book(0, [0] * world_size), rule.new_state(layouts[b].shards[rank], masters[b]))
-            for b in masters
-        }
-        self.shards = ShardAccess(_Here(self.owned), rule, layouts, params, rank, timeout, self._require_open)
+        self.group = StepGroup(
+            control=control,
+            transport=transport,
+            timeout=timeout,
+            clock=lambda: self.clock,
+            record=self.failures.record,
+        )
+        self.owned = OwnedShards(rule, layouts, initial_masters(params, layouts, rank), rank, world_size)
+        self.shards = ShardAccess(
+            self.owned, rule, layouts, params, rank, timeout, self.failures.require_open
+        )
         self.capture = Capture(params, layouts, self.cond, self._hand_over)
-        self._plan()
-        self._init_overlap()
-        self._init_replies()
-        self.shards.written = self._touched  # a load gave the parameters new values: the replica's too
-        if self.compress_replies:  # Note [Checkpoints and held values] in pyasync/checkpoint/save.py
-            self.shards.held_rows = self._held_rows
+        self.reducer = self._make_reducer(compressor, grad_edits)
+        self.gatherer = Gatherer(
+            params=params,
+            layouts=layouts,
+            owned=self.owned,
+            rank=rank,
+            world_size=world_size,
+            spec=spec,
+            compressor=compressor,
+            st=self.st,
+            group=self.group,
+            frames=self.reducer.buckets.frames,
+        )
+        # A load gave the parameters new values: the replica's too.
+        self.shards.written = self.gatherer.touched
+        if self.gatherer.compress_replies:  # Note [Checkpoints and held values] in pyasync/checkpoint/save.py
+            self.shards.held_rows = self.gatherer.held_rows
 
-    # -- errors -------------------------------------------------------------------------------------
-    def _collective(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, group=self.control, **kwargs)
-        except Exception as e:
-            raise self._failure(what, e) from e
+    def _make_reducer(self, compressor, grad_edits: str) -> Reducer:
+        """The step's reduce (overlap.py) over each bucket's (reduce.py)."""
+        buckets = BucketReduce(
+            params=self.params,
+            layouts=self.layouts,
+            spec=self.spec,
+            compressor=compressor,
+            rank=self.rank,
+            world_size=self.n,
+            st=self.st,
+            group=self.group,
+            record=self.failures.record,
+            on_nonfinite=self.failures.on_nonfinite,
+            version=self.owned.version,
+        )
+        return Reducer(
+            buckets=buckets,
+            capture=self.capture,
+            layouts=self.layouts,
+            names=self.names,
+            world_size=self.n,
+            device=self.params[0].device,
+            grad_edits=grad_edits,
+            st=self.st,
+            group=self.group,
+            record=self.failures.record,
+        )
 
-    def _wait(self, work, what: str) -> None:
-        try:
-            work.wait()
-        except Exception as e:
-            raise self._failure(what, e) from e
+    @property
+    def control(self):
+        """The optimizer's own gloo group the step's collectives run on (None: one rank, or dropped)."""
+        return self.group.control
 
-    def _failure(self, what: str, e: BaseException) -> BaseException:
-        """A collective of this step failed: a PeerFailure naming the ranks that died (seen by the
-        transport) or that did not come (a roll call through the store), kept for every later call."""
-        # A dead rank's connections end at once (its kernel closes them): a short look suffices
-        # before the roll call, which then names ranks that hang.
-        err = collective_failure(e, self.transport, f"{what} of step {self.clock}", wait=1.0)
-        if not isinstance(err, PeerFailure):
-            missing = roll_call(self.control, f"round{self.rounds}", min(self.timeout, _ROLL_CALL))
-            if missing:
-                err = PeerFailure(
-                    f"pyasync: ranks {missing} did not reach step {self.clock} ({what}) within "
-                    f"{self.timeout.total_seconds():g} s: late, hung or dead (under BSP every rank steps "
-                    "together; a rank that stops early must call close())",
-                    missing,
-                )
-            else:
-                err = RuntimeError(f"pyasync: {what} of step {self.clock} failed: {e}")
-        if isinstance(err, PeerFailure) and _RESUME not in str(err):
-            err.args = (f"{err.args[0]}; {_RESUME}", *err.args[1:])
-        self._sticky(err)
-        return err
+    @control.setter
+    def control(self, group) -> None:
+        self.group.control = group  # the optimizer drops it after close(): no reference may keep it alive
+
+    # -- errors (kept by self.failures) --------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the recorded failure, if any (see clock.as_raised)."""
+        self.failures.check()
+
+    def record_failure(self, e: BaseException) -> None:
+        """A call failed mid-step (or a caller's collective failed): later calls keep failing with it."""
+        self.failures.record(e)
+
+
+    def abort_reason(self, reason: str | None) -> str | None:
+        """What a rank that stops tells its peers (Failures.abort_reason)."""
+        return self.failures.abort_reason(reason)
+
+    def _hand_over(self, b: int) -> None:
+        """Capture's hook: bucket b's gradients are all in (in backward, cond held); the reducer may
+        launch its reduce now (Note [Reduces launched from backward] in overlap.py)."""
+        if self.closed or self.failures.error is not None:
+            return
+        self.reducer.hand_over(b, self.clock)
 
     # -- step ---------------------------------------------------------------------------------------
     def step(self, grad_scale: float | None = None, found_inf: bool = False) -> None:
@@ -210,38 +215,35 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         self.clock = t + 1
         self.st.pushes_sent += sum(1 for lay in self.layouts for sh in lay.shards if sh.numel)
         with self.cond:
-            bad = self._take_nonfinite(t)
-        self._raise_nonfinite(bad, self.on_nonfinite)
+            bad = self.failures.take_nonfinite(t)
+        self.failures.raise_nonfinite(bad, self.on_nonfinite)
 
     def _run(self, scale: float, skip: bool, active: bool) -> int:
         """One step's collectives: reduce, clip, apply the owned shards, gather. ``active`` False: this
         rank closed and joins the others' step with nothing to push (Note [Joining]). Returns how many
         ranks pushed in this step (every rank learns it from the gather)."""
         t = self.clock
-        self.seen_active = -1
-        self.rounds += 1  # the same sequence on every rank, stepping or joining (roll-call tags)
-        means = self._reduce(scale, skip, t, active)
+        self.group.begin_round()  # the same sequence on every rank, stepping or joining (roll-call tags)
+        means = self.reducer.reduce(scale, skip, t, active)
         if self.max_grad_norm is not None:
             self._clip(means)
         for b, (values, mask, applied) in means.items():
-            own = self.owned[b]
-            if applied and any(mask):
-                self.rule.apply(own.state, dense=values, seg_mask=mask)
-                own.round.version += 1
+            if self.owned.apply(b, values, mask, applied, t):
                 self.st.updates_applied += 1
-            own.round.processed = [t + 1] * self.n
-        return self._gather_step(t)
+        if self.gatherer.compress_replies:
+            return self.gatherer.deltas(t, self.reducer.buckets.seen_active)
+        return self._gather(t)
 
-    def owned_version(self, b: int, r: int) -> int:
-        own = self.owned.get(b) if r == self.rank else None
-        return own.round.version if own is not None else 0
+    def _gather(self, t: int) -> int:
+        """The uncompressed gather of step ``t``'s new values (Gatherer.values); how many ranks pushed."""
+        return self.gatherer.values(t, self.reducer.buckets.seen_active)
 
     def _clip(self, means: dict[int, tuple]) -> None:
         """Clip the mean gradient to max_grad_norm: one all-reduce of the ranks' squared norms."""
         sq = sum(float(torch.dot(v, v)) for v, _, _ in means.values())
         total = torch.tensor([sq], dtype=torch.float64)
         if self.n > 1:
-            self._collective("the gradient norm's all-reduce", dist.all_reduce, total)
+            self.group.run("the gradient norm's all-reduce", dist.all_reduce, total)
         norm = math.sqrt(float(total))
         self.grad_norm = norm
         coef = min(1.0, self.max_grad_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
@@ -249,20 +251,14 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
             for v, _, _ in means.values():
                 v.mul_(coef)
 
-    # -- counters -----------------------------------------------------------------------------------
-    def _count(self, b: int, bad: int, stepping: int) -> None:
-        self.st.nonfinite_skipped += bad
-        self.st.pushes_applied += stepping - bad
-        self.st.staleness[0] = self.st.staleness.get(0, 0) + stepping - bad
-
     # -- the rest of the engine's narrow API ------------------------------------------------------------
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Context: gradients accumulate over several backward() calls (nothing is read before step())."""
         return self.capture.paused()
 
     def pause(self) -> None:
         """Nothing to do: no round of this engine can be open between steps."""
-        self._require_open("pause()")
+        self.failures.require_open("pause()")
 
     def resume(self) -> None:
         return None
@@ -278,21 +274,12 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         return None
 
     def installed_versions(self) -> dict[tuple[int, int], int]:
-        return {(b, self.rank): own.round.version for b, own in self.owned.items()}
+        """{(bucket, owner rank): version} of the values installed: this rank's own shards'."""
+        return {(b, self.rank): v for b, v in self.owned.versions().items()}
 
     def threads(self) -> list[threading.Thread]:
+        """None: the training thread runs every collective."""
         return []
-
-    def _touched(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
-        """The parameters were given ``values`` ({(bucket, owner): shard values}, exact fp32) by a load:
-        the replica (what every rank holds) takes them too, bit for bit."""
-        if not self.compress_replies:
-            return
-        if self.replica_stale:
-            self._read_replica()  # the rest of the replica: the parameters as they are
-        for (b, r), v in values.items():
-            sh = self.layouts[b].shards[r]
-            self.replica[b][sh.begin : sh.end].copy_(v.reshape(-1))
 
     def close(self) -> None:
         """Every rank leaves together (a bounded barrier on the optimizer's group); replicas are already
@@ -302,21 +289,21 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         self.closed = True
         self.capture.remove()
         try:
-            if self.error is not None:
-                if not self.reported:
+            if self.failures.error is not None:
+                if not self.failures.reported:
                     self.check()
                 return
             if self.n > 1:
                 while self._run(1.0, False, active=False) > 0:
                     pass  # serve the ranks still stepping until every rank closed (Note [Joining])
-            if self.compress_replies:
+            if self.gatherer.compress_replies:
                 self._gather(self.clock)  # end on the exact masters (Note [Compressed replies])
             if self.n > 1:
-                self._collective(
+                self.group.run(
                     "close()'s barrier", dist.monitored_barrier, timeout=self.timeout, wait_all_ranks=True
                 )
         finally:
-            if self.error is not None:
+            if self.failures.error is not None:
                 self.abort()
             elif self.transport is not None:
                 self.transport.close()
@@ -326,7 +313,7 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         self.closed = True
         self.capture.remove()
         if self.transport is not None:
-            self.transport.abort(self.abort_reason(reason), getattr(self.error, "ranks", None))
+            self.transport.abort(self.abort_reason(reason), getattr(self.failures.error, "ranks", None))
 
     def stats(self) -> Stats:
         st = Stats(**{k: v for k, v in vars(self.st).items() if k != "staleness"})
@@ -334,5 +321,7 @@ class CollectiveEngine(StepOverlap, StepGather, EngineBase):
         st.clock = self.clock
         st.min_included_clock = self.clock - 1
         st.grad_norm = self.grad_norm
-        st.compression_ratio = self.raw_bytes / self.enc_bytes if self.enc_bytes else 1.0
+        raw = self.reducer.buckets.raw_bytes + self.gatherer.raw_bytes
+        enc = self.reducer.buckets.enc_bytes + self.gatherer.enc_bytes
+        st.compression_ratio = raw / enc if enc else 1.0
         return st

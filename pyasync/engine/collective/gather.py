@@ -1,4 +1,4 @@
-"""The gather half of a BSP step on collectives (Note [BSP on collectives] in engine/collective.py):
+"""The gather half of a BSP step on collectives (Note [BSP on collectives] in engine/collective/engine.py):
 every owner's new shard values reach every rank, as fp32 values (uncompressed) or as compressed deltas
 (Note [Compressed replies])."""
 
@@ -8,18 +8,26 @@ import torch
 import torch.distributed as dist
 
 from pyasync.engine import wire
+from pyasync.engine.collective.group import StepGroup
+from pyasync.engine.collective.owned import OwnedShard, OwnedShards
+from pyasync.engine.core.shards import BucketLayout
+from pyasync.engine.core.stats import Stats
 from pyasync.errors import ProtocolError
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.ops import codecs as ops_codecs
 
-__all__ = ["StepGather"]
+__all__ = ["Gatherer"]
 
 _TAG = 0x6A7000  # + bucket: the gather's point-to-point tags on the engine's group
 
 
-class StepGather:
-    """Mixin of CollectiveEngine: expects layouts, params, owned, rank, n, device, spec, comp, clock, st,
-    width, frames and the engine's _collective and _wait.
+class Gatherer:
+    """The gather of a step: every owner's new shard values (``values``) or encoded deltas (``deltas``)
+    reach every rank and are written into the parameters. Receives the parameters and layouts, this
+    rank's shards (``owned``), this rank and the world size, the wire spec and compressor, the engine's
+    counters and collectives, and ``frames`` (bucket -> per shard: push frame bytes, BucketReduce's),
+    which size the compressed replies' frames. Counts the fp32 and encoded bytes of the deltas it
+    encodes (``raw_bytes``, ``enc_bytes``).
 
     Note [Compressed replies]
         With a lossy compressor, replies are compressed too: each owner sends every rank the change that
@@ -38,13 +46,36 @@ class StepGather:
         read from the parameters at the first step, and a load writes the values it installs into it.
     """
 
-    def _init_replies(self) -> None:
-        self.compress_replies = self.comp.replies
+    def __init__(
+        self,
+        *,
+        params: list[torch.Tensor],
+        layouts: list[BucketLayout],
+        owned: OwnedShards,
+        rank: int,
+        world_size: int,
+        spec: wire.WireSpec,
+        compressor,
+        st: Stats,
+        group: StepGroup,
+        frames: list[list[int]],
+    ) -> None:
+        self.params, self.layouts, self.owned = params, layouts, owned
+        self.rank, self.n, self.device = rank, world_size, params[0].device
+        self.spec, self.comp, self.st, self.group = spec, compressor, st, group
+        self.raw_bytes = 0  # fp32 bytes of the deltas encoded (compressed replies)
+        self.enc_bytes = 0  # their encoded bytes
+        # The gather of the values (every step uncompressed; compressed, at close() and checkpoints):
+        # this rank's slot + the pushing ranks seen, and every rank's (kept across steps).
+        self.width = [max(sh.numel for sh in lay.shards) for lay in layouts]
+        self.ag_send = [torch.zeros(w + 1) for w in self.width]
+        self.ag_recv = [torch.empty((w + 1) * self.n) for w in self.width]
+        self.compress_replies = compressor.replies
         self.replica: list[torch.Tensor] = []
         self.replica_stale = True
         if self.compress_replies:
             self.replica = [torch.zeros(lay.numel) for lay in self.layouts]
-            self.reply_width = [max(sizes) if sizes else 0 for sizes in self.frames]
+            self.reply_width = [max(sizes) if sizes else 0 for sizes in frames]
             # Kept across steps: this rank's frame (+ the pushing ranks seen, a float64), the gathered
             # frames, and the delta of its own shard.
             self.dl_send = [torch.zeros(w + 8, dtype=torch.uint8) for w in self.reply_width]
@@ -59,7 +90,7 @@ class StepGather:
                 ops_bucketing.flatten(src, self.replica[b], lay.offsets, numels=lay.numels)
         self.replica_stale = False
 
-    def _held_rows(self, b: int) -> torch.Tensor:
+    def held_rows(self, b: int) -> torch.Tensor:
         """What every rank holds of this rank's shard of bucket ``b`` (a copy, [1, numel]), for a
         checkpoint."""
         if self.replica_stale:
@@ -67,18 +98,12 @@ class StepGather:
         sh = self.layouts[b].shards[self.rank]
         return self.replica[b][sh.begin : sh.end].clone().unsqueeze(0)
 
-    def _gather_step(self, t: int) -> int:
-        """Gather the new values; returns how many ranks pushed in this step (Note [Joining])."""
-        if self.compress_replies:
-            return self._gather_deltas(t)
-        return self._gather(t)
-
     def _launch_gather(self, out: torch.Tensor, mine: torch.Tensor, tag: int) -> list:
         """All-gather into ``out`` (rank r's slot at row r) as point-to-point sends of this rank's slot
         ``mine`` to every other rank: no copies of it on the sending side, and on gloo less time than
         an all-to-all of n copies or ``all_gather_into_tensor`` (Note [Reduce by all-to-all] in
-        engine/reduce.py). ``tag`` tells this bucket's messages from another's in flight. Returns the
-        works to wait on (none on one rank)."""
+        engine/collective/reduce.py). ``tag`` tells this bucket's messages from another's in flight.
+        Returns the works to wait on (none on one rank)."""
         rows = out.view(self.n, -1)
         rows[self.rank].copy_(mine)
         if self.n == 1:
@@ -86,12 +111,12 @@ class StepGather:
         ops = []
         for i in range(1, self.n):
             dst, src = (self.rank + i) % self.n, (self.rank - i) % self.n
-            ops.append(dist.P2POp(dist.irecv, rows[src], group=self.control, tag=tag, group_peer=src))
-            ops.append(dist.P2POp(dist.isend, mine, group=self.control, tag=tag, group_peer=dst))
+            ops.append(dist.P2POp(dist.irecv, rows[src], group=self.group.control, tag=tag, group_peer=src))
+            ops.append(dist.P2POp(dist.isend, mine, group=self.group.control, tag=tag, group_peer=dst))
         try:
             return dist.batch_isend_irecv(ops)
         except Exception as e:
-            raise self._failure("the all-gather of the new values", e) from e
+            raise self.group.failure("the all-gather of the new values", e) from e
 
     def _tail(self, out: torch.Tensor, stride: int) -> int:
         """The largest count of pushing ranks any owner saw: every rank's slot of a gather ends with
@@ -100,9 +125,10 @@ class StepGather:
         cells = rows[:, -8:].contiguous().view(torch.float64) if out.dtype == torch.uint8 else rows[:, -1:]
         return round(float(cells.max()))
 
-    def _gather_deltas(self, t: int) -> int:
+    def deltas(self, t: int, seen_active: int) -> int:
         """All-gather every owner's encoded delta (Note [Compressed replies]); decode into the replica and
-        install it."""
+        install it. ``seen_active``: the ranks that pushed in step ``t`` as this rank's shards saw them;
+        returns how many ranks pushed in this step, the largest count any owner saw (Note [Joining])."""
         if self.replica_stale:
             self._read_replica()
         works = []
@@ -111,20 +137,20 @@ class StepGather:
             if width == 0:
                 continue
             mine, out = self.dl_send[b], self.dl_recv[b]  # kept across steps
-            own = self.owned.get(b)
+            own = self.owned.shards.get(b)
             if own is not None:
                 self._encode_delta(b, t, own, mine[:width])
-            mine[width:].copy_(torch.tensor([float(self.seen_active)], dtype=torch.float64).view(torch.uint8))
+            mine[width:].copy_(torch.tensor([float(seen_active)], dtype=torch.float64).view(torch.uint8))
             self.st.bytes_sent += width * (self.n - 1)
             works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
         with torch.no_grad():
             for b, out, pending in works:
                 for work in pending:
-                    self._wait(work, "the all-gather of the new values")
+                    self.group.wait(work, "the all-gather of the new values")
                 self._install_deltas(b, t, out)
         return self._tail(works[0][1], self.reply_width[works[0][0]] + 8)
 
-    def _encode_delta(self, b: int, t: int, own, frame: torch.Tensor) -> None:
+    def _encode_delta(self, b: int, t: int, own: OwnedShard, frame: torch.Tensor) -> None:
         sh = self.layouts[b].shards[self.rank]
         delta = torch.sub(
             own.state.master.view(-1).float().cpu(), self.replica[b][sh.begin : sh.end], out=self.dl_delta[b]
@@ -141,7 +167,7 @@ class StepGather:
         h = wire.Header(
             kind=wire.PUSH,
             sender=self.rank,
-            clock=self.rounds,  # the step collectives' count: the same on every rank, joining or not
+            clock=self.group.rounds,  # the step collectives' count: the same on every rank, joining or not
             version=own.round.version,
             bucket=b,
             shard=self.rank,
@@ -166,34 +192,36 @@ class StepGather:
             frame = out[r * (width + 8) : r * (width + 8) + width]
             h = wire.frame_header(frame, r)
             self.spec.check_push(h, shard=r)
-            if h.clock != self.rounds or h.sender != r:
+            if h.clock != self.group.rounds or h.sender != r:
                 raise ProtocolError(
                     f"the values of rank {r} carry round {h.clock} (sender {h.sender}); this is round "
-                    f"{self.rounds} (step {t})"
+                    f"{self.group.rounds} (step {t})"
                 )
             payload, _ = wire.unpack_push(wire.frame_body(frame, h), h)
             rep = self.replica[b][sh.begin : sh.end]
             ops_codecs.decode(payload, out=rep, alpha=1.0, accumulate=True, validate=False)
             ops_bucketing.unflatten(rep.to(self.device), dst, lay.offsets, begin=sh.begin)
 
-    def _gather(self, t: int) -> int:
-        """All-gather every bucket's new shard values and write them into the parameters."""
+    def values(self, t: int, seen_active: int) -> int:
+        """All-gather every bucket's new shard values and write them into the parameters.
+        ``seen_active``: the ranks that pushed in step ``t`` as this rank's shards saw them; returns how
+        many ranks pushed in this step, the largest count any owner saw (Note [Joining])."""
         works = []
         for b in range(len(self.layouts)):
             width = self.width[b]
             if width == 0:
                 continue
             mine, out = self.ag_send[b], self.ag_recv[b]  # kept across steps
-            own = self.owned.get(b)
+            own = self.owned.shards.get(b)
             if own is not None:
                 mine[: own.state.master.numel()].copy_(own.state.master)
-            mine[width] = float(self.seen_active)
+            mine[width] = float(seen_active)
             self.st.bytes_sent += 4 * width * (self.n - 1)  # this rank's shard, to every other rank
             works.append((b, out, self._launch_gather(out, mine, _TAG + b)))
         with torch.no_grad():
             for b, out, pending in works:
                 for work in pending:
-                    self._wait(work, "the all-gather of the new values")
+                    self.group.wait(work, "the all-gather of the new values")
                 lay, stride = self.layouts[b], self.width[b] + 1
                 dst = [self.params[p].data for p in lay.params]
                 for r, sh in enumerate(lay.shards):
@@ -205,3 +233,14 @@ class StepGather:
                             begin=sh.begin,
                         )
         return self._tail(works[0][1], self.width[works[0][0]] + 1)
+
+    def touched(self, values: dict[tuple[int, int], torch.Tensor]) -> None:
+        """The parameters were given ``values`` ({(bucket, owner): shard values}, exact fp32) by a load:
+        the replica (what every rank holds) takes them too, bit for bit (ShardAccess.written)."""
+        if not self.compress_replies:
+            return
+        if self.replica_stale:
+            self._read_replica()  # the rest of the replica: the parameters as they are
+        for (b, r), v in values.items():
+            sh = self.layouts[b].shards[r]
+            self.replica[b][sh.begin : sh.end].copy_(v.reshape(-1))

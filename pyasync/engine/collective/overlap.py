@@ -1,28 +1,36 @@
 """BSP on collectives, with each bucket's reduce launched from the backward hooks (Note [Reduces launched
-from backward]): the step's reduce, from hook to the rank-order sums."""
+from backward]): the step's reduce, from hook to the rank-order sums (each bucket's own reduce is
+engine/collective/reduce.py's BucketReduce)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from pyasync.engine.collective.reduce import StepReduce, _Launch
-from pyasync.engine.core.capture import forbid_error
+from pyasync.engine.collective.group import StepGroup
+from pyasync.engine.collective.reduce import BucketReduce, Launch
+from pyasync.engine.core.capture import Capture, forbid_error
+from pyasync.engine.core.shards import BucketLayout
+from pyasync.engine.core.stats import Stats
 
-__all__ = ["StepOverlap"]
+__all__ = ["Reducer"]
 
 #: Rounds without hook launches after a step that had to reduce a bucket again (an edit after
 #: backward, a GradScaler, a second backward): every rank counts the same rounds.
 _BACKOFF = 50
 
 
-class StepOverlap(StepReduce):
-    """Mixin of CollectiveEngine: expects StepReduce's attributes plus capture, clock, closed, error,
-    device, grad_edits, names and the engine's _sticky.
+class Reducer:
+    """The reduce of a step: the buckets launched from the hooks (``hand_over``), then ``reduce`` in
+    step(). Receives each bucket's reduce (``buckets``), the engine's Capture (which buckets changed
+    since their hook), the layouts and parameter names, the world size and the parameters' device, the
+    ``grad_edits`` setting, the engine's counters, its collectives and ``record`` (its Failures').
 
     Note [Reduces launched from backward]
         As DDP's all-reduce, a bucket's reduce (Note [Reduce by all-to-all]) starts inside
-        ``backward()``: when the hook of a bucket's last gradient fires (engine/capture.py), the bucket
+        ``backward()``: when the hook of a bucket's last gradient fires (engine/core/capture.py), the bucket
         is flattened (or encoded) into its send buffer and its all-to-all is launched asynchronously;
         ``step()`` launches the buckets no hook handed over, then waits for them all. Launches go in
         bucket order on every rank (a bucket that is ready before a lower one waits for it), so the
@@ -49,8 +57,24 @@ class StepOverlap(StepReduce):
         on a GPU.
     """
 
-    def _init_overlap(self) -> None:
-        self.early: dict[int, _Launch] = {}  # buckets launched from hooks this step: 0, 1, ..., k-1
+    def __init__(
+        self,
+        *,
+        buckets: BucketReduce,
+        capture: Capture,
+        layouts: list[BucketLayout],
+        names: list[str],
+        world_size: int,
+        device: torch.device,
+        grad_edits: str,
+        st: Stats,
+        group: StepGroup,
+        record: Callable[[BaseException], None],
+    ) -> None:
+        self.buckets, self.capture, self.layouts, self.names = buckets, capture, layouts, names
+        self.n, self.device, self.grad_edits = world_size, device, grad_edits
+        self.st, self.group, self.record = st, group, record
+        self.early: dict[int, Launch] = {}  # buckets launched from hooks this step: 0, 1, ..., k-1
         self.early_ready: set[int] = set()  # handed over by the hooks, not launched yet
         self.early_off = 0  # rounds left without hook launches (_BACKOFF)
         self.st.buckets_early = 0
@@ -58,46 +82,44 @@ class StepOverlap(StepReduce):
     def _may_launch_early(self) -> bool:
         return self.n > 1 and self.device.type == "cpu" and self.early_off == 0
 
-    def _hand_over(self, b: int) -> None:
-        """Capture's hook: bucket b's gradients are all in (called in backward, cond held). Launch every
-        ready bucket in bucket order."""
-        if not self._may_launch_early() or self.closed or self.error is not None:
+    def hand_over(self, b: int, clock: int) -> None:
+        """Capture's hook, through the open engine: bucket b's gradients of step ``clock`` are all in
+        (called in backward, cond held). Launch every ready bucket in bucket order."""
+        if not self._may_launch_early():
             return
         self.early_ready.add(b)
         while len(self.early) in self.early_ready:  # the next bucket in bucket order is ready
             nb = len(self.early)
             try:
-                self.early[nb] = self._launch(nb, 1.0, False, self.clock, True)
+                self.early[nb] = self.buckets.launch(nb, 1.0, False, clock, True)
             except Exception as e:  # not raised inside backward(): step() raises it
-                self._sticky(e)
+                self.record(e)
                 return
             self.st.buckets_early += 1
 
-    def _reduce(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
+    def reduce(self, scale: float, skip: bool, t: int, active: bool) -> dict[int, tuple]:
         """Per bucket this rank owns: (mean gradient of its shard, has-grad mask, finite pushes)."""
+        self.buckets.seen_active = -1
         armed = self._may_launch_early()  # as it was for this step's hooks: early_off changes only here
         launches, early = dict(self.early), set(self.early)
         self.early, self.early_ready = {}, set()
         for b in range(len(self.layouts)):
             if b not in launches:
-                launches[b] = self._launch(b, scale, skip, t, active)
+                launches[b] = self.buckets.launch(b, scale, skip, t, active)
         if armed:
             again = self._agree_again(early, scale, skip)
             for b in again:
-                la = launches[b]
-                if la.work is not None:
-                    self._wait(la.work, "the gradient all-to-all")
-                if self.codec != "none" and active:
-                    for r in range(self.n):
-                        self.comp.undo((b, r))
-                launches[b] = self._launch(b, scale, skip, t, active)
+                self.buckets.wait(launches[b])
+                if active:
+                    self.buckets.undo(b)
+                launches[b] = self.buckets.launch(b, scale, skip, t, active)
             self.st.buckets_reencoded += len(again)
             self.early_off = _BACKOFF if again else 0
         else:
             self.early_off = max(0, self.early_off - 1)
         means = {}
         for b in range(len(self.layouts)):
-            m = self._finish(launches[b], t, active)
+            m = self.buckets.finish(launches[b], t, active)
             if m is not None:
                 means[b] = m
         return means
@@ -109,11 +131,11 @@ class StepOverlap(StepReduce):
         if self.grad_edits == "forbid":
             if stale:
                 err = forbid_error(self.names, self.layouts, stale, "reduced them")
-                self._sticky(err)
+                self.record(err)
                 raise err
             return []
         flags = torch.zeros(len(self.layouts), dtype=torch.int32)
         for b in stale:
             flags[b] = 1
-        self._collective("the edit flags' all-reduce", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        self.group.run("the edit flags' all-reduce", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
         return [b for b, f in enumerate(flags.tolist()) if f]

@@ -1,27 +1,32 @@
-"""The reduce half of a BSP step on collectives (Note [BSP on collectives] in engine/collective.py):
-the buffers each bucket's all-to-all uses, and the two ways to fill them, an all-to-all of scaled
-gradient chunks summed in rank order (uncompressed, Note [Reduce by all-to-all]) or an all-to-all of
-encoded push frames (compressed). Both return, per bucket this rank owns, (the mean gradient of its
-shard, the has-grad mask of its segments, how many ranks' pushes were finite)."""
+"""The reduce of one bucket in a BSP step on collectives (Note [BSP on collectives] in
+engine/collective/engine.py): the buffers each bucket's all-to-all uses, and the two ways to fill them,
+an all-to-all of scaled gradient chunks summed in rank order (uncompressed, Note [Reduce by
+all-to-all]) or an all-to-all of encoded push frames (compressed). Both return, per bucket this rank
+owns, (the mean gradient of its shard, the has-grad mask of its segments, how many ranks' pushes were
+finite). The step's reduce, launched from the backward hooks, is engine/collective/overlap.py's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from pyasync.engine import wire
+from pyasync.engine.collective.group import StepGroup
 from pyasync.engine.core.capture import dense
+from pyasync.engine.core.shards import BucketLayout
+from pyasync.engine.core.stats import Stats
 from pyasync.errors import ProtocolError
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.ops import codecs as ops_codecs
 
-__all__ = ["StepReduce"]
+__all__ = ["BucketReduce", "Launch"]
 
 
 @dataclass
-class _Launch:
+class Launch:
     """One bucket's reduce in flight: where its all-to-all lands, the work to wait on (None on one
     rank), and whether this rank's push of it was not finite (recorded once the reduce is final)."""
 
@@ -31,9 +36,14 @@ class _Launch:
     nonfinite: bool
 
 
-class StepReduce:
-    """Mixin of CollectiveEngine: expects layouts, spec, comp, params, rank, n, st, raw_bytes,
-    enc_bytes and the engine's _collective, _wait, _sticky, _count, _on_nonfinite and owned_version.
+class BucketReduce:
+    """Each bucket's reduce: ``launch`` fills its send buffer from ``.grad`` and starts its all-to-all,
+    ``finish`` waits for it and sums this rank's shard. Receives the parameters and layouts, the wire
+    spec and compressor, this rank and the world size, the engine's counters (``st``), its collectives
+    (``group``), ``record`` and ``on_nonfinite`` (its Failures') and ``version`` (bucket -> the version
+    of this rank's shard, what its push frames carry). Counts the fp32 and encoded bytes of the slices
+    it encodes (``raw_bytes``, ``enc_bytes``) and the ranks that pushed in the last step, as this rank's
+    shards saw them (``seen_active``; -1 before any sum of the step).
 
     Note [Reduce by all-to-all]
         The uncompressed reduce of a bucket is an ``all_to_all`` of the n chunks (chunk r, this rank's
@@ -42,17 +52,40 @@ class StepReduce:
         bucket out and in per rank) in one exchange instead of n-1 rounds, and on gloo it takes less than
         half the CPU of ``reduce_scatter_tensor`` (docs/benchmarks.md, "BSP: the reduce by
         all-to-all"); the sum is a few adds per element of one shard. The all-gather of the new values
-        is a point-to-point send of the shard to every other rank (engine/gather.py): no n copies of it
-        to build an all-to-all's input, and on gloo less time than either that all-to-all or
+        is a point-to-point send of the shard to every other rank (engine/collective/gather.py): no n
+        copies of it to build an all-to-all's input, and on gloo less time than either that all-to-all or
         ``all_gather_into_tensor``; the reduce stays an all-to-all, which beat point-to-point there
         (``bench/collectives.py``). On NCCL, ring collectives would be the better calls; the collective
         engine runs on the optimizer's gloo group.
     """
 
+    def __init__(
+        self,
+        *,
+        params: list[torch.Tensor],
+        layouts: list[BucketLayout],
+        spec: wire.WireSpec,
+        compressor,
+        rank: int,
+        world_size: int,
+        st: Stats,
+        group: StepGroup,
+        record: Callable[[BaseException], None],
+        on_nonfinite: Callable[[int, int], None],
+        version: Callable[[int], int],
+    ) -> None:
+        self.params, self.layouts, self.spec, self.comp = params, layouts, spec, compressor
+        self.codec = compressor.wire_params(1)[0]
+        self.rank, self.n, self.st, self.group = rank, world_size, st, group
+        self.record, self.on_nonfinite, self.version = record, on_nonfinite, version
+        self.raw_bytes = 0  # fp32 bytes of the slices encoded (compressed pushes)
+        self.enc_bytes = 0  # their encoded bytes
+        self.seen_active = -1  # ranks that pushed in the last step, as this rank's shards saw it
+        self._plan()
+
     # -- layout of one step's buffers -------------------------------------------------------------------
     def _plan(self) -> None:
-        """Per bucket: the reduce-scatter chunks (values + extras) or the all-to-all frame sizes, and the
-        padded all-gather width."""
+        """Per bucket: the reduce-scatter chunks (values + extras) or the all-to-all frame sizes."""
         self.chunks: list[list[tuple[int, int, int]]] = []  # bucket -> per shard (offset, numel, extras)
         self.frames: list[list[int]] = []  # bucket -> per shard: push frame bytes
         self.stride: list[int] = []  # bucket -> chunk stride: every chunk padded to the largest
@@ -70,11 +103,6 @@ class StepReduce:
             )
         # Every buffer of a step is kept across steps: no fresh tensor of a bucket's size per step (its
         # allocation and first touch cost more than the copies they hold).
-        self.width = [max(sh.numel for sh in lay.shards) for lay in self.layouts]
-        # The gather of the values (every step uncompressed; compressed, at close() and checkpoints):
-        # this rank's slot + the pushing ranks seen, and every rank's.
-        self.ag_send = [torch.zeros(w + 1) for w in self.width]
-        self.ag_recv = [torch.empty((w + 1) * self.n) for w in self.width]
         if self.codec == "none":
             # One tensor per bucket, n equal chunks: one all-to-all per bucket (Note [Reduce by
             # all-to-all]); its receive side; the rank-order sum of this rank's chunks.
@@ -96,24 +124,34 @@ class StepReduce:
         return out
 
     # -- one bucket's reduce: launch, then finish ----------------------------------------------------
-    def _launch(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+    def launch(self, b: int, scale: float, skip: bool, t: int, active: bool) -> Launch:
         """Fill bucket b's send buffer from ``.grad`` and start its all-to-all (async)."""
         if self.codec == "none":
             return self._launch_dense(b, scale, skip, t, active)
         return self._launch_encoded(b, scale, skip, t, active)
 
-    def _finish(self, la: _Launch, t: int, active: bool) -> tuple | None:
+    def wait(self, la: Launch) -> None:
+        """Wait for a launched all-to-all (and nothing else: the bucket is launched again)."""
+        if la.work is not None:
+            self.group.wait(la.work, "the gradient all-to-all")
+
+    def undo(self, b: int) -> None:
+        """Compressed: take back the residuals of bucket b's last encode (it is encoded again)."""
+        if self.codec != "none":
+            for r in range(self.n):
+                self.comp.undo((b, r))
+
+    def finish(self, la: Launch, t: int, active: bool) -> tuple | None:
         """Wait for a launched all-to-all and sum this rank's shard in rank order: (mean, mask, finite
         pushes), or None when this rank's shard of the bucket is empty."""
-        if la.work is not None:
-            self._wait(la.work, "the gradient all-to-all")
+        self.wait(la)
         if la.nonfinite:
-            self._on_nonfinite(la.b, t)
+            self.on_nonfinite(la.b, t)
         if self.codec == "none":
             return self._sum_dense(la.b, la.out, t, active)
         return self._sum_encoded(la.b, la.out, t, active)
 
-    def _launch_dense(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+    def _launch_dense(self, b: int, scale: float, skip: bool, t: int, active: bool) -> Launch:
         """Uncompressed: the chunks (values x scale / n, then extras) and their all-to-all (Note [Reduce
         by all-to-all]). A rank that closed (``active`` False) joins with zeros and no gradient (Note
         [Joining])."""
@@ -149,10 +187,10 @@ class StepReduce:
             ex[-1] = float(t if active else 0)
         self.st.bytes_sent += 4 * self.stride[b] * (self.n - 1)  # what leaves this rank
         if self.n == 1:
-            return _Launch(b, buf, None, nonfinite)
+            return Launch(b, buf, None, nonfinite)
         out = self.rs_recv[b]
-        work = self._collective("the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True)
-        return _Launch(b, out, work, nonfinite)
+        work = self.group.run("the gradient all-to-all", dist.all_to_all_single, out, buf, async_op=True)
+        return Launch(b, out, work, nonfinite)
 
     def _sum_dense(self, b: int, out: torch.Tensor, t: int, active: bool) -> tuple | None:
         numel, extras = self.chunks[b][self.rank][1], self.chunks[b][self.rank][2]
@@ -175,7 +213,7 @@ class StepReduce:
                 f"{stepping} stepping ranks sum to {float(ex[-1]):g}); under BSP every rank steps "
                 "together (a rank that stops early calls close())"
             )
-            self._sticky(err)
+            self.record(err)
             raise err
         bad = round(float(ex[-3]))
         mask = [bool(x > 0) for x in ex[: extras - 3].tolist()]
@@ -183,7 +221,7 @@ class StepReduce:
         self.seen_active = stepping
         return total[:numel], mask, stepping - bad
 
-    def _launch_encoded(self, b: int, scale: float, skip: bool, t: int, active: bool) -> _Launch:
+    def _launch_encoded(self, b: int, scale: float, skip: bool, t: int, active: bool) -> Launch:
         """Compressed: every slice of the bucket encoded into a push frame (error feedback), then the
         frames' all-to-all. A rank that closed sends FINAL frames of zeros with no gradient, encoded
         without touching its residuals (Note [Joining])."""
@@ -220,7 +258,7 @@ class StepReduce:
                 kind=wire.PUSH,
                 sender=self.rank,
                 clock=t,
-                version=self.owned_version(b, r),
+                version=self.version(b) if r == self.rank else 0,
                 bucket=b,
                 shard=r,
                 codec=wire.CODEC_IDS[codec],
@@ -239,8 +277,8 @@ class StepReduce:
         recv = self.enc_recv[b]
         if self.n == 1:
             recv.copy_(send)
-            return _Launch(b, recv, None, nonfinite)
-        work = self._collective(
+            return Launch(b, recv, None, nonfinite)
+        work = self.group.run(
             "the push all-to-all",
             dist.all_to_all_single,
             recv,
@@ -249,7 +287,7 @@ class StepReduce:
             input_split_sizes=sizes,
             async_op=True,
         )
-        return _Launch(b, recv, work, nonfinite)
+        return Launch(b, recv, work, nonfinite)
 
     def _sum_encoded(self, b: int, recv: torch.Tensor, t: int, active: bool) -> tuple | None:
         """This rank's n frames of bucket b, checked, decoded and summed in rank order (x 1/n)."""
@@ -278,3 +316,9 @@ class StepReduce:
         self._count(b, bad, stepping)
         self.seen_active = stepping
         return agg, mask, stepping - bad
+
+    # -- counters -----------------------------------------------------------------------------------
+    def _count(self, b: int, bad: int, stepping: int) -> None:
+        self.st.nonfinite_skipped += bad
+        self.st.pushes_applied += stepping - bad
+        self.st.staleness[0] = self.st.staleness.get(0, 0) + stepping - bad

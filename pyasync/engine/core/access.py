@@ -1,21 +1,69 @@
 """Access to the shards this rank owns, between steps: snapshots for ``state_dict()`` and checkpoints,
-loads, and writing shard values into the local parameters. Every read and write of a shard runs in
-the shard's own applier thread (``Owner.call``), between pushes: never torn, never racing an update.
+loads, and writing shard values into the local parameters. Every read and write of a shard runs where
+its holder says it is safe (``ShardHolder.call``): in the point-to-point engine, in the shard's own
+applier thread, between pushes (never torn, never racing an update); in the collective engine, in the
+calling thread, between steps.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 
-from pyasync.engine.core.rule import UpdateRule
+from pyasync.engine.core.rule import ShardState, UpdateRule
 from pyasync.engine.core.shards import BucketLayout
-from pyasync.engine.p2p.owner import Owner
 from pyasync.ops import bucketing as ops_bucketing
 
-__all__ = ["ShardAccess", "bucket_values", "initial_masters"]
+__all__ = ["HeldShard", "ShardAccess", "ShardGroup", "ShardHolder", "ShardProgress", "bucket_values",
+           "initial_masters"]
+
+
+class ShardProgress(Protocol):
+    """How far one owned shard has got (what checkpoints record)."""
+
+    version: int  # updates applied to the shard
+    processed: list[int]  # per worker rank: pushes of it the shard has processed
+
+
+class HeldShard(Protocol):
+    """One shard this rank owns, as ShardAccess reads and writes it."""
+
+    @property
+    def round(self) -> ShardProgress:
+        """Its progress (the point-to-point engine's round machine, engine/core/round.py)."""
+        ...
+
+    @property
+    def state(self) -> ShardState:
+        """Its fp32 master values and optimizer state (engine/core/rule.py)."""
+        ...
+
+
+class ShardGroup(Protocol):
+    """Some of the shards this rank owns, handed to a ``ShardHolder.call`` function where they may be
+    read and written (the point-to-point engine: one applier thread's shards)."""
+
+    @property
+    def shards(self) -> Mapping[int, HeldShard]:
+        """{bucket: its shard}."""
+        ...
+
+    def loaded(self, bucket: int) -> None:
+        """Bucket ``bucket``'s shard was given loaded values (coded replies: the next one is exact)."""
+        ...
+
+
+class ShardHolder(Protocol):
+    """What ShardAccess calls on whoever holds this rank's shards: the point-to-point engine's Owner
+    (engine/p2p/owner.py), or the collective engine's OwnedShards (engine/collective/owned.py)."""
+
+    def call(self, fn: Callable[[ShardGroup], Any], timeout: datetime.timedelta) -> list:
+        """Run ``fn`` on every group of shards where they are safe to touch; its results, one per group
+        (at most ``timeout`` each)."""
+        ...
 
 
 def bucket_values(params: list[torch.Tensor], lay: BucketLayout) -> torch.Tensor:
@@ -42,7 +90,7 @@ class ShardAccess:
 
     def __init__(
         self,
-        owner: Owner,
+        owner: ShardHolder,
         rule: UpdateRule,
         layouts: list[BucketLayout],
         params: list[torch.Tensor],
@@ -65,7 +113,7 @@ class ShardAccess:
         applier threads between pushes."""
         self.require_open("snapshot()")
 
-        def grab(ap) -> dict:
+        def grab(ap: ShardGroup) -> dict:
             out = {
                 b: {
                     "master": sh.state.master.clone(),
@@ -91,7 +139,7 @@ class ShardAccess:
         them into the local parameters. Versions and clocks are this engine's own and stay."""
         self.require_open("load()")
 
-        def put(ap) -> None:
+        def put(ap: ShardGroup) -> None:
             for b, sh in ap.shards.items():
                 d = shards[b]
                 where = f"state_dict['shards']['{b}']"
@@ -116,7 +164,7 @@ class ShardAccess:
         if self.restore_rows is None:
             return
 
-        def put(ap) -> None:
+        def put(ap: ShardGroup) -> None:
             for b, sh in ap.shards.items():
                 if b in rows:
                     self.restore_rows(b, rows[b], sh.state.master)

@@ -1,4 +1,4 @@
-"""The actions a shard's round (engine/round.py) returns for its owner to carry out, in order, and the
+"""The actions a shard's round (engine/core/round.py) returns for its owner to carry out, in order, and the
 counters of what happened to the shard's pushes."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """BSP's clipping of the mean gradient (``max_grad_norm`` under policies that ``clips_mean``).
 
-Every owner's complete round waits (a gated round, engine/round.py): its applier reports the squared
+Every owner's complete round waits (a gated round, engine/core/round.py): its applier reports the squared
 norm of the shard's mean gradient to the rank's ClipGate; the training thread, once every owned shard
 reported, all-reduces the ranks' sums on the optimizer's own gloo group and releases every round with
 ``min(1, max_norm / (norm + 1e-6))``, as DDP followed by ``torch.nn.utils.clip_grad_norm_`` does.

@@ -1,16 +1,20 @@
-"""What both engines (engine.py, collective.py) do alike with failures and non-finite pushes: one error
-slot (the first failure wins; every later call raises it), the reason a rank that stops tells its
-peers, and non-finite gradients (logged once per rank, raised by step() under on_nonfinite="raise")."""
+"""What both engines (p2p/engine.py, collective/engine.py) do alike with failures and non-finite pushes,
+as one object each engine owns (``Failures``): one error slot (the first failure wins; every later call
+raises it), the reason a rank that stops tells its peers, and non-finite gradients (logged once per
+rank, raised by step() under on_nonfinite="raise")."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import traceback
+from collections.abc import Callable
 
 from pyasync.engine.core.clock import as_raised
+from pyasync.engine.core.shards import BucketLayout
 from pyasync.errors import DivergedError, NonFiniteGradientError
 
-__all__ = ["DIVERGED_STEPS", "EngineBase"]
+__all__ = ["DIVERGED_STEPS", "Failures"]
 
 #: Steps in a row with a non-finite push after which step() raises DivergedError (Note [Saying so when
 #: a run diverges]).
@@ -19,13 +23,27 @@ DIVERGED_STEPS = 20
 _log = logging.getLogger("pyasync")
 
 
-class EngineBase:
-    """Expects ``cond``, ``rank``, ``names``, ``layouts`` and ``closed``; calls ``init_failures()``."""
+class Failures:
+    """The error slot and the non-finite pushes of one engine: each engine owns one, and hands its parts
+    the calls they need (``record``, ``fail``, ``on_nonfinite``, ``err``). It receives what it uses: the
+    engine's condition (held while the slot changes, and notified so every waiter wakes), this rank, the
+    parameter names and bucket layouts (to name a bad bucket's parameters), the policy (the advice of
+    DivergedError) and ``closed``, which tells whether the engine was closed (``require_open``)."""
 
-    cond: threading.Condition
-
-    def init_failures(self) -> None:
-        self.error: BaseException | None = None
+    def __init__(
+        self,
+        *,
+        cond: threading.Condition,
+        rank: int,
+        names: list[str],
+        layouts: list[BucketLayout],
+        policy,
+        closed: Callable[[], bool],
+    ) -> None:
+        self.cond, self.rank, self.names, self.layouts, self.policy = cond, rank, names, layouts, policy
+        self.closed = closed
+        self.error: BaseException | None = None  # the first failure (every later call raises it)
+        self.error_trace: str | None = None  # the traceback of a background failure (``fail``)
         self.reported = False  # the recorded failure was raised to the caller at least once
         self.timed_out: TimeoutError | None = None  # the first timeout of a step still in flight
         self.nonfinite: list[tuple[int, int]] = []  # (bucket, clock) of non-finite pushes not yet raised
@@ -33,7 +51,8 @@ class EngineBase:
         self.nonfinite_streak = 0  # steps in a row with a non-finite push of this rank
 
     # -- the error slot ---------------------------------------------------------------------------------
-    def _err(self) -> BaseException | None:
+    def err(self) -> BaseException | None:
+        """The recorded failure, if any (what the engine's bounded waits poll)."""
         return self.error
 
     def check(self) -> None:
@@ -42,7 +61,7 @@ class EngineBase:
             self.reported = True
             raise as_raised(self.error)
 
-    def _sticky(self, e: BaseException) -> None:
+    def record(self, e: BaseException) -> None:
         """A call failed while the engine was mid-step: later calls keep failing with this cause."""
         with self.cond:
             if self.error is None:
@@ -50,8 +69,18 @@ class EngineBase:
             self.reported = True
             self.cond.notify_all()
 
-    def _require_open(self, what: str) -> None:
-        if self.closed:
+    def fail(self, where: str, e: BaseException) -> None:
+        """Record a background failure (first one wins; ``where`` names the thread) and wake every waiter."""
+        with self.cond:
+            if self.error is None:
+                self.error = e
+                e.args = (f"{where}: {e}",) if not e.args else (f"{where}: {e.args[0]}", *e.args[1:])
+                self.error_trace = traceback.format_exc()
+            self.cond.notify_all()
+
+    def require_open(self, what: str) -> None:
+        """Raise when the engine is closed (``what`` names the call) or has failed."""
+        if self.closed():
             raise RuntimeError(f"{what} after close(): call it before close()")
         self.check()
 
@@ -65,7 +94,8 @@ class EngineBase:
         return reason
 
     # -- non-finite pushes ------------------------------------------------------------------------------
-    def _nonfinite_text(self, b: int, clock: int) -> str:
+    def nonfinite_text(self, b: int, clock: int) -> str:
+        """Bucket ``b``'s non-finite push of step ``clock``, in words (its parameters named)."""
         names = [self.names[p] for p in self.layouts[b].params]
         shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
         return (
@@ -73,9 +103,9 @@ class EngineBase:
             f"(parameters: {shown})"
         )
 
-    def _on_nonfinite(self, b: int, clock: int) -> None:
+    def on_nonfinite(self, b: int, clock: int) -> None:
         """A shard of bucket b held NaN/Inf: the owners skip that push. Logged once per rank; under
-        on_nonfinite="raise", step() raises it (``_raise_nonfinite``)."""
+        on_nonfinite="raise", step() raises it (``raise_nonfinite``)."""
         with self.cond:
             if (b, clock) in self.nonfinite:
                 return
@@ -86,16 +116,16 @@ class EngineBase:
             _log.warning(
                 "pyasync: %s; the push is skipped, not applied (counted in stats().nonfinite_skipped; "
                 "logged once per rank)",
-                self._nonfinite_text(b, clock),
+                self.nonfinite_text(b, clock),
             )
 
-    def _take_nonfinite(self, t: int) -> list[tuple[int, int]]:
+    def take_nonfinite(self, t: int) -> list[tuple[int, int]]:
         """The non-finite pushes of step ``t`` (caller holds cond); forgets every recorded one."""
         bad = [(b, c) for b, c in self.nonfinite if c == t]
         self.nonfinite = []
         return bad
 
-    def _raise_nonfinite(self, bad: list[tuple[int, int]], on_nonfinite: str) -> None:
+    def raise_nonfinite(self, bad: list[tuple[int, int]], on_nonfinite: str) -> None:
         """Raise what step ``bad``'s non-finite pushes call for (after the step completed).
 
         Note [Saying so when a run diverges]
@@ -115,7 +145,7 @@ class EngineBase:
         if bad and on_nonfinite == "raise":
             raise NonFiniteGradientError(
                 "pyasync: "
-                + "; ".join(self._nonfinite_text(b, c) for b, c in bad)
+                + "; ".join(self.nonfinite_text(b, c) for b, c in bad)
                 + "; the push was skipped (not applied) and the step completed. Fix the loss or lower the "
                 "learning rate, or pass on_nonfinite='skip' to skip such pushes silently"
             )

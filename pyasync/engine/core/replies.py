@@ -9,9 +9,10 @@ Note [Compressed replies on the point-to-point path]
     (``Compressor.encode_once``), and the owner adds the decoded change to ``held`` with the same kernel
     the worker uses, so both sides agree bit for bit. What the encoding dropped stays in the next
     ``master - held``: error feedback by construction, with no residual of its own (the BSP gather does
-    the same, Note [Compressed replies] in engine/gather.py). Pushes and replies of one pair of ranks
-    travel in order on one connection, so every change is decoded once, in the order it was made; the
-    worker decodes on receipt (the mailbox keeps only the newest reply, so a change cannot wait there).
+    the same, Note [Compressed replies] in engine/collective/gather.py). Pushes and replies of one
+    pair of ranks travel in order on one connection, so every change is decoded once, in the order it
+    was made; the worker decodes on receipt (the mailbox keeps only the newest reply, so a change
+    cannot wait there).
 
     This rank's own worker gets the same kind of change (no frame, no network), so under BSP every rank
     holds the same values of every shard, as with exact replies. Both sides start from the agreed

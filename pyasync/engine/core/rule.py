@@ -21,7 +21,7 @@ __all__ = ["ShardState", "UpdateRule"]
 class ShardState:
     """The optimizer state of one shard an owner keeps (touched only by that shard's applier thread).
     The round's bookkeeping (versions, clocks, the aggregate's pushers) is the round machine's
-    (engine/round.py)."""
+    (engine/core/round.py)."""
 
     def __init__(self, layout) -> None:
         self.layout = layout  # shards.ShardLayout

@@ -34,7 +34,7 @@ class Stats:
     epoch / members: the membership epoch and its ranks (global ranks; elastic=True, see
         pyasync/session/membership.py); epochs: every membership change this rank went through (lost ranks,
         members, seconds, pushes re-sent, what was re-initialized); pushes_resent: this worker's pushes
-        to owners that died, replayed on the freshest replica (engine/replay.py); pushes_lost: those
+        to owners that died, replayed on the freshest replica (engine/p2p/replay.py); pushes_lost: those
         that could not be (none is expected). The other counters are the current epoch's.
     """
 

@@ -1,17 +1,18 @@
 """Appliers: the threads that own the shards of a rank. Each runs the round machine of its shards
-(engine/round.py) and carries out the actions it returns: decode, apply (engine/rule.py), answer.
+(engine/core/round.py) and carries out the actions it returns: decode, apply (engine/core/rule.py), answer.
 
 Bucket b is owned by applier b % A. An applier alone touches its shards' state, so the hot path takes
 no lock, and pushes to shards of different appliers never wait on each other. Its queue carries typed
-messages (engine/messages.py).
+messages (engine/p2p/messages.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,9 +23,26 @@ from pyasync.engine.p2p.messages import Call, Close, Depart, Pause, Push, Releas
 from pyasync.ops import codecs as ops_codecs
 
 if TYPE_CHECKING:
-    from pyasync.engine.p2p.owner import Owner
+    from pyasync.engine.core.clip import ClipGate
+    from pyasync.engine.core.replies import ReplyFrames
 
-__all__ = ["Applier", "OwnedShard", "add_to_aggregate", "apply_aggregate", "apply_push"]
+__all__ = ["Applier", "OwnedShard", "OwnerSide", "add_to_aggregate", "apply_aggregate", "apply_push"]
+
+
+class OwnerSide(Protocol):
+    """What an Applier uses of the rank's owner side (engine/p2p/owner.py's Owner): it answers and
+    releases the pushes the applier finished, and hears of progress and failures. A protocol, so that
+    applier.py does not import owner.py (which builds the appliers)."""
+
+    gate: ClipGate | None  # the clipping gate (engine/core/clip.py), or None
+    replies: ReplyFrames  # what each worker holds, for coded replies and delay compensation
+
+    def fail(self, where: str, e: BaseException) -> None: ...
+    def release(self, push: Push) -> None: ...
+    def progressed(self) -> None: ...
+    def resumed(self, w: int) -> None: ...
+    def drain_sends(self, ap: Applier, timeout: datetime.timedelta) -> None: ...
+    def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool) -> None: ...
 
 
 @dataclass
@@ -87,7 +105,7 @@ def apply_aggregate(rule: UpdateRule, sh: OwnedShard, mask, scale: float) -> Non
 class Applier(threading.Thread):
     """Applies the pushes of its shards, in arrival order per shard."""
 
-    def __init__(self, owner: Owner, index: int, rule: UpdateRule, world_size: int, divisor: int) -> None:
+    def __init__(self, owner: OwnerSide, index: int, rule: UpdateRule, world_size: int, divisor: int) -> None:
         super().__init__(name=f"pyasync-applier-{index}", daemon=True)
         self.owner = owner
         self.rule = rule

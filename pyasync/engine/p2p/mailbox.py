@@ -5,7 +5,7 @@ The mailbox holds at most one reply per shard (a newer version replaces an older
 buffer goes back to the pool unless ``install`` is reading it right now). It also records, per shard,
 the highest clock answered (what ``step()`` waits for) and the FINAL replies (what ``close()`` waits
 for). The caller's condition variable guards all of it. With a lossy codec, replies are coded changes
-that the receiver decodes on arrival into the values held of that shard (engine/replies.py); the
+that the receiver decodes on arrival into the values held of that shard (engine/core/replies.py); the
 mailbox then points at those values, and ``install`` reads them under their lock.
 """
 
@@ -61,7 +61,7 @@ class Mailbox:
         remote = {k for k in keys if k[1] != rank}
         self.expected = set(remote)  # FINAL replies the receiver still waits for
         # Coded replies (a lossy codec): the values held of each remote shard, changes decoded on receipt
-        # (Note [Compressed replies on the point-to-point path] in engine/replies.py).
+        # (Note [Compressed replies on the point-to-point path] in engine/core/replies.py).
         self.held = HeldValues(params, layouts, remote) if coded and remote else None
         self.pool = (
             transport.recv_pool(spec.max_reply_frame(), 2 * len(keys) + 2, self.device)

@@ -6,14 +6,14 @@ Threads (see docs/architecture.md, "Threads"):
   payload) into a buffer of the largest push this rank can get, full validation (wire.WireSpec and
   wire.unpack_push), then the payload lands on the owner's device and goes to the applier of its
   bucket as a typed :class:`~pyasync.engine.p2p.messages.Push`. CLOSE, PAUSE and RESUME go to every applier.
-* a few *appliers* (engine/applier.py) run the round machines and the updates.
+* a few *appliers* (engine/p2p/applier.py) run the round machines and the updates.
 
 The worker of this rank pushes to its own shards through :meth:`Owner.local_push` (no network) and
 gets its answers through a callback. Send frames and receive pools are the transport's (Note [Frame
 reuse] in pyasync/transport/frames.py).
 
 Pushes an owner holds are bounded, and fair across senders: Note [Bounded intake] and Note [Fair
-intake] in engine/intake.py.
+intake] in engine/p2p/intake.py.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class Owner:
 
     def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool) -> None:
         """Send shard ``sh``'s current values to each (worker, clock answered) of ``dests``: a frame per
-        remote worker (a copy, or a coded change: engine/replies.py), a clone for this rank's worker."""
+        remote worker (a copy, or a coded change: engine/core/replies.py), a clone for this rank's worker."""
         rnd, master = sh.round, sh.state.master
         clocks = rnd.reflected  # Note [Reflected clocks]
         for w, c in dests:

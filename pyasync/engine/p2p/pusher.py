@@ -5,10 +5,10 @@ header + payload).
 A bucket is encoded as soon as its hooks hand it over (overlapping backward), into reused send
 frames of the transport (Note [Frame reuse] in pyasync/transport/frames.py), but sent only on the
 step's Commit: buckets whose gradients changed since are encoded again first, after the early
-encode's error-feedback residual is taken back (Note [What step() pushes] in engine/capture.py).
+encode's error-feedback residual is taken back (Note [What step() pushes] in engine/core/capture.py).
 Per-push clipping and the GradScaler's unscaling are applied to the flat gradient before encoding.
 On a device, the thread runs its kernels on a side stream that waits for the hook's event, and hands
-its own shard's payload to the local applier with an event of its own (engine/streams.py).
+its own shard's payload to the local applier with an event of its own (engine/core/streams.py).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Pusher(threading.Thread):
         self._committed, self._nonfinite, self._fail = committed, nonfinite, fail
         self.clip_each_push = clip_each_push
         self.send_early = send_early  # grad_edits="forbid": send as soon as encoded (overlapping backward)
-        self.retain = retain  # elastic: a copy of each push until an answer reflects it (engine/replay.py)
+        # elastic: a copy of each push until an answer reflects it (engine/p2p/replay.py)
+        self.retain = retain
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.flat = [torch.empty(lay.numel, dtype=torch.float32, device=device) for lay in layouts]
         self.stream = side_stream(device)

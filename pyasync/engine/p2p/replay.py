@@ -3,7 +3,7 @@
 
 Note [Replaying a dead owner's pushes]
     Every survivor holds a replica of a dead owner's shards: the last values that owner sent it, with
-    the clocks they reflect (Note [Reflected clocks] in engine/round.py). The freshest replica (the
+    the clocks they reflect (Note [Reflected clocks] in engine/core/round.py). The freshest replica (the
     newest version; among equal versions, the one reflecting the most pushes) lacks exactly the pushes
     whose clocks it does not reflect. Under ``elastic=True`` each worker therefore keeps a copy of every
     frame it pushes to another owner (:class:`Retention`) until an answer it installed reflects it, and

@@ -6,7 +6,7 @@ A frame is ``HEADER_BYTES`` of header (wire/header.py) followed by exactly ``nby
   indices) | mask (uint8 per parameter overlapping the shard, 1 = has a gradient);
 * reply payload: numel fp32 values | count int64 clocks (the highest clock of each worker fully
   included in the values);
-* coded reply payload (a lossy codec, Note [Compressed replies] in engine/replies.py): the payload
+* coded reply payload (a lossy codec, Note [Compressed replies] in engine/core/replies.py): the payload
   tensors of the codec, encoding the change since the values the worker holds | count int64 clocks.
 
 Each part starts at a multiple of 8 bytes; the alignment padding is zero, so no stale process memory

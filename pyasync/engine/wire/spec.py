@@ -147,7 +147,8 @@ class WireSpec:
         if h.count != self.world_size:
             raise WireError(f"REPLY from rank {h.sender} has {h.count} clocks, expected {self.world_size}")
         if h.codec != 0 and h.codec == self.codec_id:
-            # A coded reply (Note [Compressed replies] in engine/replies.py): the agreed codec's block, k.
+            # A coded reply (Note [Compressed replies] in engine/core/replies.py): the agreed codec's
+            # block, k.
             want_k = self.topk_k(h.numel) if self.codec == "topk" else 0
             if h.block != self.block or h.k != want_k:
                 raise WireError(
