@@ -22,7 +22,7 @@ namespace {
 // buffer: (1) gather: g = dense_scale * dense + grad_scale * decode(payload), specialised on the codec
 // and on which terms are present; (2) step: the optimizer update of math/optim.h, specialised on the
 // optimizer. With delay compensation on (dc_lambda > 0) a third pass sits between them,
-// g = math::dc_compensate(g, lambda, param, dc_held) over the same tile (See Note [Delay compensation]);
+// g = math::dc_compensate(g, lambda, param, dc_held) over the same tile (See Note [Delay compensation formula]);
 // it is chosen once per call, so with dc_lambda == 0 the loop is today's two passes and dc_held is
 // never read. All passes are branch-free inner loops that the compiler vectorises, and the two
 // dispatches are made once per call (function pointers chosen outside the loop), so the number of
@@ -127,7 +127,7 @@ void gather(const ApplyParams& p, int64_t b, int64_t e, float* g) {
   }
 }
 
-// g[j] = g[j] + lambda * g[j] * g[j] * (w[j] - held[j]) on one tile: See Note [Delay compensation].
+// g[j] = g[j] + lambda * g[j] * g[j] * (w[j] - held[j]) on one tile: See Note [Delay compensation formula].
 void compensate(float lambda, const float* __restrict w, const float* __restrict held, float* __restrict g,
                 int64_t m) {
   for (int64_t j = 0; j < m; ++j) g[j] = math::dc_compensate(g[j], lambda, w[j], held[j]);

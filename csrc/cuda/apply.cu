@@ -17,7 +17,7 @@ namespace {
 
 // Note [CUDA apply]
 // One grid-stride elementwise kernel per (codec, optimizer, delay compensation): 5 x 2 x 2
-// instantiations. Delay compensation is the template flag kDC (See Note [Delay compensation]), so
+// instantiations. Delay compensation is the template flag kDC (See Note [Delay compensation formula]), so
 // the kDC = false kernels are the kernels without it: no dc_held load, no extra registers. Whether a
 // dense term and a payload are present, and the optimizer's flags, are uniform runtime branches (every
 // thread takes the same side, so they cost no divergence). When every pointer is aligned for it,

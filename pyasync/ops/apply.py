@@ -3,7 +3,7 @@
 An owner turns a push (or the sum of several) into one optimizer update of its shard, reading the
 encoded payload directly: per element ``g = dense_scale * dense + grad_scale * decode(payload)``, then
 the torch.optim step (see Note [Fused apply] in csrc/include/pyasync/math/optim.h), optionally after
-DC-ASGD delay compensation ``g += dc_lambda * g * g * (param - dc_held)`` (Note [Delay compensation],
+DC-ASGD delay compensation ``g += dc_lambda * g * g * (param - dc_held)`` (Note [Delay compensation formula],
 same header). Codecs none, fp16, bf16, int8 and sign are decoded inside the kernel; top-k is first
 scattered into a dense fp32 scratch (:func:`pyasync.ops.codecs.decode`) and then applied as a dense
 gradient. Everything is updated in place; on CUDA the kernel runs on the current stream. The
@@ -230,7 +230,7 @@ def _apply(
     dc_held: torch.Tensor | None = None,
 ) -> None:
     """Launch one apply; dc_held is passed only when dc_lambda > 0 (checked by the caller), so a call
-    without compensation is today's kernel path (Note [Delay compensation])."""
+    without compensation is today's kernel path (Note [Delay compensation formula])."""
     nt = check_num_threads(num_threads)
     n = param.numel()
     if n == 0:
@@ -311,7 +311,7 @@ def sgd_apply(
     dc_lambda: DC-ASGD delay compensation (Zheng et al. 2017), a float >= 0; 0 (the default) is off and
     exactly the apply without it. When > 0 the step uses ``g + dc_lambda * g * g * (param - dc_held)``
     elementwise instead of ``g``, with g the decoded, scaled gradient above, taken before maximize and
-    weight decay (see Note [Delay compensation] in csrc/include/pyasync/math/optim.h).
+    weight decay (see Note [Delay compensation formula] in csrc/include/pyasync/math/optim.h).
     dc_held: n fp32 (contiguous, on param's device, sharing no memory with param, state or scratch): the
     weights the pushing worker held when it computed the gradient; required when dc_lambda > 0,
     ignored (not read) when dc_lambda == 0.

@@ -3,7 +3,7 @@
 The oracle is written in plain torch: decode the payload (test_apply's independent decoder), scale it,
 compensate it, ``g + lambda * g * g * (w - held)`` with w the torch side's current parameter, and hand
 the result to the real torch.optim.SGD / Adam / AdamW (single-tensor path) as its gradient. The
-compensation is taken before maximize and weight decay (See Note [Delay compensation] in
+compensation is taken before maximize and weight decay (See Note [Delay compensation formula] in
 csrc/include/pyasync/math/optim.h), which is exactly what feeding it to torch.optim as `.grad` does.
 Tolerances as test_apply (SGD is bit-exact on FMA CPUs; Adam within about an ulp of torch's sqrt).
 """

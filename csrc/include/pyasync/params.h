@@ -118,7 +118,7 @@ struct ApplyParams {
   const float* dense;   // nullable: an fp32 gradient (e.g. the sum of earlier pushes)
   float dense_scale;    // multiplies dense
   const float* dc_held; // grad.n fp32: weights the pusher held when it computed g; read only if dc_lambda > 0
-  float dc_lambda;      // delay compensation, >= 0 and finite; 0: off. See Note [Delay compensation]
+  float dc_lambda;      // delay compensation, >= 0 and finite; 0: off. See Note [Delay compensation formula]
   float* param;         // grad.n fp32 master values, updated in place
   float* state1;        // SGD: momentum buffer (null when momentum == 0); Adam: exp_avg
   float* state2;        // Adam: exp_avg_sq; SGD: null

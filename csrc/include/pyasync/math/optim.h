@@ -35,7 +35,7 @@ PYASYNC_HOST_DEVICE float fma_torch(float a, float b, float c) {
 #endif
 }
 
-// Note [Delay compensation]
+// Note [Delay compensation formula]
 // DC-ASGD (Zheng et al. 2017, "Asynchronous SGD with delay compensation"): a push's gradient g was
 // computed at the weights w_held its worker installed, but is applied to the owner's current master
 // w_now. A first-order Taylor step of the gradient, with the Hessian replaced by its cheap diagonal
