@@ -86,6 +86,18 @@ def _check_per_push(p) -> None:
             raise ValueError(f"{name} must be True or False, got {getattr(p, name)!r}")
     if not isinstance(p.dc, (int, float)) or not math.isfinite(p.dc) or p.dc < 0:
         raise ValueError(f"dc (the delay compensation's lambda) must be a finite number >= 0, got {p.dc!r}")
+    la = p.lookahead
+    if la != "auto" and (isinstance(la, bool) or not isinstance(la, int) or la < 0):
+        raise ValueError(
+            f"lookahead must be 'auto' or a number of updates >= 0 (0: off), got {la!r}; "
+            "Note [Look-ahead replies] in pyasync/policy.py"
+        )
+    c = p.clip
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or (c != 0 and c < 1):
+        raise ValueError(
+            f"clip must be 0 (off) or a factor >= 1 on the running norm of the pushes, got {c!r}; "
+            "Note [Spike clipping] in pyasync/policy.py"
+        )
 
 
 class _PerPush(Policy):
@@ -145,12 +157,42 @@ class _PerPush(Policy):
         function of the shared C++ math, fused into the apply kernels (CPU and CUDA). The owner keeps
         w_held per worker and shard: one more copy of the model per rank, as compressed replies
         already keep (Note [Compressed replies on the point-to-point path]). A generic optimizer
-        class (not SGD, Adam or AdamW) is not compensated."""
+        class (not SGD, Adam or AdamW) is not compensated.
+
+    Note [Look-ahead replies]
+        A push applied tau updates after the values it was computed on is a gradient taken at the wrong
+        point; with momentum most of the gap is predictable, because the owner's momentum keeps moving
+        the parameters whatever the next gradients are. With ``lookahead`` = k ("lookahead=3") an owner
+        answers a worker not with its master values w but with where w will be after k more updates
+        whose gradients are zero: w - lr * (mu + mu^2 + ... + mu^k) * buf for SGD (momentum mu, buffer
+        buf), w - lr/n * (b1 + ... + b1^k) * m_hat / (sqrt(v_hat) + eps) for Adam and AdamW (the step
+        of Note [A round of pushes]). The worker's gradient is then taken about where its push will
+        land: Nesterov's look-ahead, carried over to asynchrony (DANA, Hakimi et al. 2019). With
+        ``lookahead="auto"`` ("lookahead=auto") k is, for each worker answered, the running mean of
+        the staleness of its pushes (about the last 8, rounded), so the look-ahead follows the measured
+        delay: n - 1 or so for a fast worker, more for a straggler. The masters and the optimizer
+        state are not touched, only what the workers are sent; the final answer (after every worker
+        closed) is the master itself, so replicas end equal. Without momentum state (SGD without
+        momentum, a generic optimizer) the answer is the master. The prediction ignores weight decay,
+        lr scales, ``moments=round`` and Nesterov's own flag: it is a look-ahead, not a replay.
+        Measured on ``seq`` (docs/benchmarks.md, "Look-ahead replies and spike clipping").
+
+    Note [Spike clipping]
+        The asynchronous runs on ``seq`` climbed as fast as BSP's and then fell off a cliff (0.98 -> 0.25
+        token accuracy in one snapshot): a stale gradient that is much larger than usual, applied on its
+        own, throws the model out of its basin, where BSP would have averaged it with n - 1 others.
+        With ``clip`` = c >= 1 ("clip=1.5") the owner scales each push's gradient on a shard down to
+        at most c times the running mean of the norms it applied on that shard (about the last 32
+        pushes, after clipping; the first push sets it): an adaptive clip that only touches outliers.
+        The user's ``max_grad_norm`` still clips each push first, on its worker. The running
+        norm is not checkpointed; it restarts with the first push after a restore."""
 
     lr_scale: str | None = None
     momentum_correction: bool = False
     round_moments: bool = False
     dc: float = 0.0
+    lookahead: int | str = 0
+    clip: float = 0.0
 
     def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
         if gated:
@@ -190,6 +232,8 @@ class _PerPush(Policy):
         out += ":mc=on" if self.momentum_correction else ""
         out += ":moments=round" if self.round_moments else ""
         out += f":dc={self.dc:g}" if self.dc else ""
+        out += f":lookahead={self.lookahead}" if self.lookahead else ""
+        out += f":clip={self.clip:g}" if self.clip else ""
         return out
 
 
@@ -248,6 +292,8 @@ class SSP(_PerPush):
     momentum_correction: bool = False
     round_moments: bool = False
     dc: float = 0.0
+    lookahead: int | str = 0
+    clip: float = 0.0
 
     def __post_init__(self) -> None:
         check_int("SSP staleness", self.staleness, lo=0)
@@ -283,6 +329,8 @@ class ASP(_PerPush):
     momentum_correction: bool = False
     round_moments: bool = False
     dc: float = 0.0
+    lookahead: int | str = 0
+    clip: float = 0.0
     max_unanswered: int | None = None
     worker_waits = False
 
@@ -380,14 +428,14 @@ def parse_policy(x: PolicyLike) -> Policy:
     raise ValueError(
         f"unknown policy string {x!r}; use 'bsp', 'bsp:p2p', 'asp', 'ssp:<s>', 'quorum:<k>' or "
         "'quorum:<k>:fold'; asp and ssp take an lr scale ('asp:inverse', 'ssp:2:delay') and options "
-        "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation) "
-        "and, for asp, 'unanswered=<k or inf>'"
+        "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
+        "'lookahead=auto|<k>|off', 'clip=<c>|off' and, for asp, 'unanswered=<k or inf>'"
     )
 
 
 def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     """ASP or SSP from the spec's positional ``args`` and its key=value ``opts``."""
-    known = {"mc", "moments", "dc", "unanswered"} if name == "asp" else {"mc", "moments", "dc"}
+    known = {"mc", "moments", "dc", "lookahead", "clip"} | ({"unanswered"} if name == "asp" else set())
     bad = sorted(set(opts) - known)
     if bad:
         raise ValueError(f"unknown option(s) {bad} for {name}; it takes {sorted(known)}")
@@ -399,6 +447,11 @@ def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     kw: dict = {"momentum_correction": mc == "on", "round_moments": moments == "round"}
     if "dc" in opts:
         kw["dc"] = float(opts["dc"])
+    if "lookahead" in opts:
+        la = opts["lookahead"]
+        kw["lookahead"] = la if la == "auto" else 0 if la == "off" else int(la)
+    if "clip" in opts:
+        kw["clip"] = 0.0 if opts["clip"] == "off" else float(opts["clip"])
     if name == "asp":
         if len(args) > 1:
             raise ValueError("asp takes at most one positional option (the lr scale)")

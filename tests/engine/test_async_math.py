@@ -6,10 +6,10 @@ tests/engine/test_engine_ssp.py; the accuracy they buy is measured in bench/ (do
 import pytest
 import torch
 
-from pyasync.engine.core.actions import Apply
+from pyasync.engine.core.actions import Answer, Apply
 from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.shards import build_layout
-from pyasync.engine.p2p.applier import OwnedShard, apply_push
+from pyasync.engine.p2p.applier import OwnedShard, apply_push, spike_clip
 from pyasync.engine.p2p.messages import Push
 from pyasync.ops._common import Payload
 from pyasync.policy import ASP, SSP, parse_policy
@@ -132,6 +132,9 @@ def test_delay_adaptive_lr_keeps_a_full_step_up_to_n_and_shrinks_beyond(stale, w
         ("asp:delay", ASP(lr_scale="delay")),
         ("ssp:1:mc=on:moments=round", SSP(1, momentum_correction=True, round_moments=True)),
         ("ssp:2:delay", SSP(2, lr_scale="delay")),
+        ("asp:lookahead=auto:clip=1.5", ASP(lookahead="auto", clip=1.5)),
+        ("ssp:3:lookahead=2", SSP(3, lookahead=2)),
+        ("asp:lookahead=off:clip=off", ASP()),
     ],
 )
 def test_policy_options_round_trip(spec, want):
@@ -148,6 +151,10 @@ def test_policy_options_round_trip(spec, want):
         ("ssp:1:unanswered=1", "unknown option"),
         ("asp:fast", "lr_scale"),
         ("bsp:mc=off", "no key=value"),
+        ("asp:lookahead=-2", "lookahead must be"),
+        ("asp:lookahead=soon", "invalid literal"),
+        ("ssp:1:clip=0.5", "clip must be"),
+        ("ssp:1:clip=nan", "clip must be"),
     ],
 )
 def test_bad_policy_options_say_what_is_allowed(spec, says):
@@ -232,3 +239,118 @@ def test_replies_keep_what_each_worker_holds_for_delay_compensation():
     assert torch.equal(out, master) and torch.equal(kept.held[(0, 0)], master)
     assert kept.held[(0, 0)].data_ptr() != master.data_ptr()
     assert ReplyFrames(masters={0: master}, **kw).held == {}
+
+
+# -- Note [Look-ahead replies] and Note [Spike clipping] ----------------------------------------------
+def _zero_grad_steps(cls, p0: torch.Tensor, grads: list[torch.Tensor], k: int, **kw) -> torch.Tensor:
+    """torch's optimizer after ``grads``, then ``k`` more steps with zero gradients (and a zero weight
+    decay): where the momentum alone carries the parameters."""
+    p = torch.nn.Parameter(p0.clone())
+    opt = cls([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    for _ in range(k):
+        p.grad = torch.zeros_like(p)
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_sgd_lookahead_is_where_k_zero_gradient_steps_take_the_master(k):
+    """SGD: w - lr * (mu + ... + mu^k) * buf, exactly torch's SGD after k steps with zero gradients."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(N), [torch.randn(N) for _ in range(5)]
+    kw = {"lr": 0.05, "momentum": 0.9}
+    rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], **kw), start)
+    for i, g in enumerate(grads):  # each push applies g / n: feed torch the same g / n
+        apply_push(rule, sh, _push(g, i % WORLD, i // WORLD), WORLD, 1.0)
+    master = sh.state.master.clone()
+    got = rule.lookahead(sh.state, k, WORLD)
+    want = _zero_grad_steps(torch.optim.SGD, start, [g / WORLD for g in grads], k, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(sh.state.master, master)  # the master is not touched
+    torch.testing.assert_close(rule.lookahead(sh.state, 0, WORLD), master, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_adam_lookahead_follows_the_reference_formula(cls):
+    """Adam/AdamW: w - lr/n * (b1 + ... + b1^k) * m_hat / (sqrt(v_hat) + eps)."""
+    torch.manual_seed(1)
+    start = torch.randn(N)
+    lr, b1, b2, eps, k = 1e-2, 0.9, 0.999, 1e-8, 4
+    rule, sh = _shard(cls([torch.zeros(1)], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0), start)
+    for i in range(6):
+        apply_push(rule, sh, _push(torch.randn(N), i % WORLD, i // WORLD), WORLD, 1.0)
+    st, t = sh.state, sh.state.steps[0]
+    m_hat, v_hat = st.state1 / (1 - b1**t), st.state2 / (1 - b2**t)
+    reach = sum(b1**j for j in range(1, k + 1))
+    want = st.master - lr / WORLD * reach * m_hat / (v_hat.sqrt() + eps)
+    torch.testing.assert_close(rule.lookahead(st, k, WORLD), want, rtol=1e-6, atol=1e-7)
+
+
+def test_lookahead_without_momentum_state_is_the_master():
+    torch.manual_seed(2)
+    rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.randn(N))
+    apply_push(rule, sh, _push(torch.randn(N)), WORLD, 1.0)
+    assert torch.equal(rule.lookahead(sh.state, 5, WORLD), sh.state.master)
+
+
+def test_the_round_looks_ahead_by_each_workers_running_staleness():
+    """Answer.ahead: per dest, k under a fixed look-ahead; under "auto" the rounded running mean
+    (weight 1/8) of that worker's pushes' staleness, this push's included; nothing when off and
+    nothing on the final answer."""
+    rnd = ASP(lookahead="auto").round(WORLD, 1)
+    mean: dict[int, float] = {}
+    for i, (w, s) in enumerate([(0, 3), (1, 0), (0, 9), (1, 2), (0, 5), (2, 6)]):
+        clock = sum(1 for x, _ in [(0, 3), (1, 0), (0, 9), (1, 2), (0, 5), (2, 6)][:i] if x == w)
+        rnd.version = 50 + i
+        acts = rnd.push(w, clock, 50 + i - s, True, (True,), object())
+        mean[w] = float(s) if w not in mean else mean[w] + (s - mean[w]) / 8
+        (ans,) = [a for a in acts if isinstance(a, Answer)]
+        assert ans.dests == ((w, clock),) and ans.ahead == (round(mean[w]),)
+    fixed = SSP(0, lookahead=2).round(WORLD, 1)
+    for w in range(WORLD):
+        acts = fixed.push(w, 0, 0, True, (True,), object())
+    (ans,) = [a for a in acts if isinstance(a, Answer)]
+    assert len(ans.dests) == WORLD and ans.ahead == (2,) * WORLD
+    plain = ASP().round(WORLD, 1)
+    (ans,) = [a for a in plain.push(0, 0, 0, True, (True,), object()) if isinstance(a, Answer)]
+    assert ans.ahead == ()
+    for w in range(WORLD):
+        out = rnd.close(w)
+    assert [a.ahead for a in out if isinstance(a, Answer) and a.final] == [()]
+
+
+def test_spike_clipping_scales_outliers_down_to_c_times_the_running_norm():
+    """The first push sets the running norm; a push within c x it is untouched; an outlier is scaled to
+    c x it; the running norm moves by 1/32 of the clipped norm's difference."""
+    torch.manual_seed(3)
+    _, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.randn(N))
+    g = torch.randn(N)
+    g = g / g.norm()  # norm 1
+    assert spike_clip(sh, _push(2.0 * g).payload, 1.5) == 1.0 and sh.norm == pytest.approx(2.0)
+    assert spike_clip(sh, _push(2.5 * g).payload, 1.5) == 1.0
+    ref = 2.0 + (2.5 - 2.0) / 32
+    assert sh.norm == pytest.approx(ref)
+    f = spike_clip(sh, _push(30.0 * g).payload, 1.5)
+    assert f == pytest.approx(1.5 * ref / 30.0)
+    assert sh.norm == pytest.approx(ref + (1.5 * ref - ref) / 32)
+    # A coded push is measured on what it decodes to.
+    code = Payload("int8", N, torch.full((N,), 127, dtype=torch.int8), torch.tensor([10.0 / 127]), block=N)
+    before = sh.norm
+    f = spike_clip(sh, code, 1.5)
+    assert f == pytest.approx(1.5 * before / (10.0 * N**0.5), rel=1e-5)
+
+
+def test_clip_reaches_the_applied_update():
+    """With clip, an outlier push moves the shard as far as a push of c x the running norm would."""
+    torch.manual_seed(4)
+    g = torch.randn(N)
+    g = g / g.norm()
+    start = torch.randn(N)
+    rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), start)
+    apply_push(rule, sh, _push(g), WORLD, 1.0, clip=2.0)
+    before = sh.state.master.clone()
+    apply_push(rule, sh, _push(100.0 * g, 1), WORLD, 1.0, clip=2.0)
+    torch.testing.assert_close(before - sh.state.master, 0.1 * 2.0 * g / WORLD, rtol=1e-5, atol=1e-7)

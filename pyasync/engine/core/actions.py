@@ -21,6 +21,7 @@ class Apply:
     implicit: float = 0.0
     per_round: bool = False  # moments advance per round of n pushes (Note [Moments per round])
     dc: float = 0.0  # the delay compensation's lambda (Note [Delay compensation]); 0: none
+    clip: float = 0.0  # clip the gradient at this x the shard's running norm (Note [Spike clipping]); 0: none
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,13 @@ class Release:
 
 @dataclass(frozen=True)
 class Answer:
-    """Send the current values to each (worker, clock answered); ``final``: after every worker closed."""
+    """Send the current values to each (worker, clock answered); ``final``: after every worker closed.
+    ``ahead``: per dest, the updates to look ahead by (Note [Look-ahead replies] in pyasync/policy.py);
+    empty: none."""
 
     dests: tuple[tuple[int, int], ...]
     final: bool = False
+    ahead: tuple[int, ...] = ()
 
 
 Action = Apply | Sum | Update | Gate | Release | Answer

@@ -202,7 +202,10 @@ class Round:
 class PushRound(Round):
     """SSP(s) and ASP: each push is one update; answers wait as ``policy.answer_now`` says."""
 
-    stale_mean: float | None = None  # running mean of the applied pushes' staleness (momentum correction)
+    def __init__(self, policy: Any, world_size: int, n_segments: int, name: Hashable = 0) -> None:
+        super().__init__(policy, world_size, n_segments, name)
+        self.stale_mean: float | None = None  # running mean of the pushes' staleness (momentum correction)
+        self.stale_of: dict[int, float] = {}  # worker -> running mean of its pushes' staleness (look-ahead)
 
     def _on_push(self, w: int, clock: int, version: int, finite: bool, mask: tuple, item: Any) -> list:
         if not finite:
@@ -210,9 +213,13 @@ class PushRound(Round):
             out: list = [Release(item)]
         else:
             stale = self.version - version
-            per_round = bool(getattr(self.policy, "round_moments", False))
-            dc = float(getattr(self.policy, "dc", 0.0)) if stale > 0 else 0.0
-            out = [Apply(item, self.policy.lr_factor(stale, self.n), self._implicit(stale), per_round, dc)]
+            m = self.stale_of.get(w)
+            self.stale_of[w] = float(stale) if m is None else m + (stale - m) / 8
+            p = self.policy
+            per_round = bool(getattr(p, "round_moments", False))
+            dc = float(getattr(p, "dc", 0.0)) if stale > 0 else 0.0
+            clip = float(getattr(p, "clip", 0.0))
+            out = [Apply(item, p.lr_factor(stale, self.n), self._implicit(stale), per_round, dc, clip)]
             self.version += 1
             self.c.applied += 1
             self.c.updates += 1
@@ -239,7 +246,17 @@ class PushRound(Round):
         )
         for w, _ in ready:
             del self.pending[w]
-        return [Answer(ready)] if ready else []
+        return [Answer(ready, ahead=self._ahead(ready))] if ready else []
+
+    def _ahead(self, dests: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+        """Per dest, the updates its answer looks ahead by (Note [Look-ahead replies]): the policy's k,
+        or under "auto" the running mean of the worker's staleness (n - 1 before its first push)."""
+        la = getattr(self.policy, "lookahead", 0)
+        if not la:
+            return ()
+        if la != "auto":
+            return tuple(int(la) for _ in dests)
+        return tuple(round(self.stale_of.get(w, self.n - 1)) for w, _ in dests)
 
     def missing(self, clock: int) -> list[int]:
         inc = self.included

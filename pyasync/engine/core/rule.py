@@ -235,6 +235,32 @@ class UpdateRule:
             for i in idx:
                 s.steps[i] += 1
 
+    def lookahead(self, s: ShardState, k: int, n: int) -> torch.Tensor:
+        """Where shard ``s``'s master will be after ``k`` more updates with zero gradients (a new tensor):
+        SGD: w - lr * (mu + ... + mu^k) * buf; Adam/AdamW: w - lr/n * (b1 + ... + b1^k) * m_hat /
+        (sqrt(v_hat) + eps), each update a push's lr/n (Note [Look-ahead replies] in pyasync/policy.py).
+        The master itself (cloned) where there is no momentum state to carry it."""
+        out = s.master.clone()
+        if k <= 0 or s.state1 is None or not self.fused:
+            return out
+        for i, seg in enumerate(s.layout.segments):
+            if seg.end <= seg.begin or s.steps[i] == 0:
+                continue
+            grp, a, z = self.groups[seg.group], seg.begin, seg.end
+            sign = 1.0 if grp.get("maximize", False) else -1.0
+            if self.kind == "sgd":
+                mu = float(grp.get("momentum", 0.0))
+                reach = sum(mu**j for j in range(1, k + 1))
+                out[a:z].add_(s.state1[a:z], alpha=sign * float(grp["lr"]) * reach)
+            else:
+                b1, b2 = float(grp["betas"][0]), float(grp["betas"][1])
+                reach = sum(b1**j for j in range(1, k + 1))
+                t = s.steps[i]
+                m = s.state1[a:z] / (1.0 - b1**t)
+                v = (s.state2[a:z] / (1.0 - b2**t)).sqrt_().add_(float(grp["eps"]))
+                out[a:z].addcdiv_(m, v, value=sign * float(grp["lr"]) / n * reach)
+        return out
+
     def _generic_apply(
         self, s: ShardState, dense: torch.Tensor, seg_mask: list[bool], lr_factor: float
     ) -> None:

@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     from pyasync.engine.core.clip import ClipGate
     from pyasync.engine.core.replies import ReplyFrames
 
-__all__ = ["Applier", "OwnedShard", "OwnerSide", "add_to_aggregate", "apply_aggregate", "apply_push"]
+__all__ = [
+    "Applier",
+    "OwnedShard",
+    "OwnerSide",
+    "add_to_aggregate",
+    "apply_aggregate",
+    "apply_push",
+    "spike_clip",
+]
 
 
 class OwnerSide(Protocol):
@@ -42,7 +50,7 @@ class OwnerSide(Protocol):
     def progressed(self) -> None: ...
     def resumed(self, w: int) -> None: ...
     def drain_sends(self, ap: Applier, timeout: datetime.timedelta) -> None: ...
-    def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool) -> None: ...
+    def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool, ahead=()) -> None: ...
 
 
 @dataclass
@@ -52,6 +60,7 @@ class OwnedShard:
     round: rnd.Round
     state: ShardState
     agg: torch.Tensor | None = None  # the aggregate being summed (aggregate rounds), zeroed after each update
+    norm: float | None = None  # running norm of the applied pushes' gradients (Note [Spike clipping])
 
     @property
     def bucket(self) -> int:
@@ -67,17 +76,20 @@ def apply_push(
     implicit: float = 0.0,
     per_round: bool = False,
     dc: tuple[float, torch.Tensor] | None = None,
+    clip: float = 0.0,
 ) -> None:
     """Apply one push as an update of its own (Apply): its gradient x 1/n (Adam: its learning rate x 1/n,
     Note [A round of pushes] in pyasync/policy.py), the learning rate x ``lr_factor``, the explicit
     momentum less ``implicit`` (Note [Momentum correction]); ``per_round``: the optimizer's moments
     advance per round of n pushes (Note [Moments per round]); ``dc``: (lambda, what the pushing worker
-    held of the shard), delay compensation (Note [Delay compensation])."""
+    held of the shard), delay compensation (Note [Delay compensation]); ``clip`` > 0: the gradient is
+    clipped at ``clip`` x the shard's running norm (Note [Spike clipping])."""
     adaptive = rule.kind == "adam"
+    scale = spike_clip(sh, push.payload, clip) if clip else 1.0
     rule.apply(
         sh.state,
         payload=push.payload,
-        grad_scale=1.0 if adaptive else 1.0 / n,
+        grad_scale=(1.0 if adaptive else 1.0 / n) * scale,
         seg_mask=list(push.mask),
         lr_factor=lr_factor / n if adaptive else lr_factor,
         momentum_shift=implicit,
@@ -85,6 +97,25 @@ def apply_push(
         dc_lambda=dc[0] if dc is not None else 0.0,
         dc_held=dc[1] if dc is not None else None,
     )
+
+
+def payload_norm(sh: OwnedShard, payload) -> float:
+    """The L2 norm of the gradient ``payload`` decodes to (on a float codec, without decoding)."""
+    if payload.codec in ("none", "fp16", "bf16", "topk"):
+        return float(torch.linalg.vector_norm(payload.codes, dtype=torch.float32))
+    dense = ops_codecs.decode(payload, out=sh.state.scratch_buf(), validate=False)
+    return float(torch.linalg.vector_norm(dense))
+
+
+def spike_clip(sh: OwnedShard, payload, c: float) -> float:
+    """The factor that clips this push's gradient at ``c`` x the shard's running norm (1.0 when within),
+    and the running norm moved by the clipped norm, over about 32 pushes (Note [Spike clipping])."""
+    norm = payload_norm(sh, payload)
+    ref = sh.norm
+    f = c * ref / norm if ref is not None and norm > c * ref else 1.0
+    clipped = norm * f
+    sh.norm = clipped if ref is None else ref + (clipped - ref) / 32
+    return f
 
 
 def add_to_aggregate(sh: OwnedShard, push: Push, divisor: int) -> None:
@@ -176,7 +207,7 @@ class Applier(threading.Thread):
             elif isinstance(a, rnd.Release):
                 self.owner.release(a.item)
             elif isinstance(a, rnd.Answer):
-                self.owner.answer(self, sh, a.dests, a.final)
+                self.owner.answer(self, sh, a.dests, a.final, a.ahead)
             else:
                 raise TypeError(f"unknown round action {a!r}")
 
@@ -191,7 +222,7 @@ class Applier(threading.Thread):
         self._ready(sh, push)
         held = self.owner.replies.held.get((sh.bucket, push.worker)) if a.dc else None
         dc = (a.dc, held) if held is not None else None
-        apply_push(self.rule, sh, push, self.n, a.lr_factor, a.implicit, a.per_round, dc)
+        apply_push(self.rule, sh, push, self.n, a.lr_factor, a.implicit, a.per_round, dc, a.clip)
         self.owner.release(push)
 
     def _sum(self, sh: OwnedShard, push: Push) -> None:

@@ -211,23 +211,35 @@ class Owner:
                 self.progress.notify_all()
             self._resume_parts[w] = k
 
-    def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool) -> None:
+    def answer(self, ap: Applier, sh: OwnedShard, dests, final: bool, ahead=()) -> None:
         """Send shard ``sh``'s current values to each (worker, clock answered) of ``dests``: a frame per
-        remote worker (a copy, or a coded change: engine/core/replies.py), a clone for this rank's worker."""
+        remote worker (a copy, or a coded change: engine/core/replies.py), a clone for this rank's worker.
+        ``ahead``: per dest, the updates to look ahead by (Note [Look-ahead replies] in pyasync/policy.py)."""
         rnd, master = sh.round, sh.state.master
         clocks = rnd.reflected  # Note [Reflected clocks]
-        for w, c in dests:
+        seen: dict[int, torch.Tensor] = {}  # look-ahead k -> values (one per distinct k)
+
+        def values_for(i: int) -> torch.Tensor:
+            k = ahead[i] if ahead and not final else 0
+            if k <= 0:
+                return master
+            if k not in seen:
+                seen[k] = ap.rule.lookahead(sh.state, k, self.n)
+            return seen[k]
+
+        for i, (w, c) in enumerate(dests):
             if w != self.rank:
-                ap.bytes_sent += self.replies.send(sh.bucket, w, c, rnd.version, master, clocks, final)
-        local = [c for w, c in dests if w == self.rank]
+                v = values_for(i)
+                ap.bytes_sent += self.replies.send(sh.bucket, w, c, rnd.version, v, clocks, final)
+        local = [(i, c) for i, (w, c) in enumerate(dests) if w == self.rank]
         if local:
-            values = self.replies.local(sh.bucket, rnd.version, master, final)
+            values = self.replies.local(sh.bucket, rnd.version, values_for(local[0][0]), final)
             self.deliver_local(
                 Reply(
                     sh.bucket,
                     self.rank,
                     rnd.version,
-                    local[0],
+                    local[0][1],
                     values,
                     clocks,
                     final,
