@@ -174,7 +174,10 @@ class _PerPush(Policy):
         state are not touched, only what the workers are sent; the final answer (after every worker
         closed) is the master itself, so replicas end equal. Without momentum state (SGD without
         momentum, a generic optimizer) the answer is the master. The prediction ignores weight decay,
-        lr scales, ``moments=round`` and Nesterov's own flag: it is a look-ahead, not a replay.
+        lr scales, ``moments=round`` and Nesterov's own flag: it is a look-ahead, not a replay. When an
+        owner dies (``elastic=True``), its shards' values come from the freshest replica, which holds a
+        look-ahead: the new master then starts k momentum steps ahead, the displacement the lost
+        momentum (re-initialized, or taken from the epoch's checkpoint) would have carried anyway.
         Measured on ``seq`` (docs/benchmarks.md, "Look-ahead replies and spike clipping").
 
     Note [Spike clipping]
