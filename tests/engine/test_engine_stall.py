@@ -85,9 +85,11 @@ def test_training_goes_on_while_one_worker_is_stalled(policy, stall_results):
         got = final[r["begin"] : r["end"]]
         if policy == "asp":
             assert r["dropped"] == 0
-            # No lost update: each applied push moved the shard by lr * 1/n.
+            # No lost update: each applied push moved the shard by lr * 1/n. The fp32 sum of that many
+            # thirds is off by at most half an ulp of the total per push (a lost push is off by 1/3).
             want = torch.full_like(got, r["applied"] / N)
-            assert torch.allclose(got, want, rtol=1e-6), (got, want)
+            bound = r["applied"] * 0.5 * torch.finfo(torch.float32).eps * float(want.max())
+            assert torch.allclose(got, want, rtol=0, atol=bound), (got, want, bound)
         else:
             # Quorum(2): each applied push counts 1/k; exactly the dropped ones are missing.
             assert torch.equal(got, torch.full_like(got, r["applied"] / 2)), (got, r)
