@@ -255,10 +255,9 @@ class UpdateRule:
             else:
                 b1, b2 = float(grp["betas"][0]), float(grp["betas"][1])
                 reach = sum(b1**j for j in range(1, k + 1))
-                t = s.steps[i]
-                m = s.state1[a:z] / (1.0 - b1**t)
-                v = (s.state2[a:z] / (1.0 - b2**t)).sqrt_().add_(float(grp["eps"]))
-                out[a:z].addcdiv_(m, v, value=sign * float(grp["lr"]) / n * reach)
+                step_size, bc2_sqrt = ops_apply.adam_scalars(float(grp["lr"]) / n, b1, b2, s.steps[i])
+                denom = (s.state2[a:z].sqrt() / bc2_sqrt).add_(float(grp["eps"]))
+                out[a:z].addcdiv_(s.state1[a:z], denom, value=sign * step_size * reach)
         return out
 
     def _generic_apply(
