@@ -4,7 +4,7 @@ lost and that memory, threads and file descriptors stay flat.
     python bench/soak.py                                   # 4 workers, ASP, 5000 steps each
     python bench/soak.py --steps 20000 --compression topk:0.01 --out soak.json
     python bench/soak.py --steps 3000 --compression int8 --systems ssp:2
-    python bench/soak.py --slow-owner-ms 20 --steps 1000      # rank 0's owner 20 ms slower per update
+    python bench/soak.py --slow-owner-ms 20 --steps 1000 --systems asp:unanswered=inf  # a slow owner
 
 Each of ``--workers`` spawned processes (gloo over loopback, one torch thread) trains a small model
 (three linear layers, 7312 fp32 parameters in 3 buckets) with ``pyasync.DistributedOptimizer`` and
@@ -51,8 +51,9 @@ Slow owner (``--slow-owner-ms MS``). Every rank trains with :class:`SlowOwnerSGD
 through the engine's generic rule (any optimizer class other than exactly SGD, Adam or AdamW is stepped
 as a private instance per owned shard, pyasync/engine/core/rule.py), whose step() first sleeps MS on the
 rank ``--slow-owner-rank`` (default 0) only: that rank's owner takes MS longer per update it applies,
-while its worker and every other rank run as before. Under ASP nobody waits for answers, so the other
-workers push faster than that owner applies; the owner's intake is bounded (Note [Bounded intake] in
+while its worker and every other rank run as before. Under ``asp:unanswered=inf`` nobody waits for
+answers (ASP's default waits for its own, for about a step), so the other workers push faster than that
+owner applies; the owner's intake is bounded (Note [Bounded intake] in
 pyasync/engine/p2p/intake.py), so its receiver stops reading, the sockets fill and the senders wait. The
 run adds one check, ``intake``: on every rank, the most received pushes its owner held at once
 (``stats().intake_peak``) is at most ``intake_limit(n, S)`` = 2 n S + 2 n (S: shards it owns), and

@@ -38,6 +38,8 @@ from pyasync.engine.core.round import AggregateRound, PushRound, Round
 __all__ = ["ASP", "BSP", "SSP", "Policy", "Quorum", "parse_policy"]
 
 _LR_SCALES = (None, "inverse", "delay", "round")
+#: The spike clip's factor under ``clip="auto"`` where the optimizer keeps moments (Note [Spike clipping]).
+AUTO_CLIP = 1.5
 
 
 class Policy:
@@ -93,9 +95,10 @@ def _check_per_push(p) -> None:
             "Note [Look-ahead replies] in pyasync/policy.py"
         )
     c = p.clip
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or (c != 0 and c < 1):
+    bad = isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or 0 < c < 1
+    if c != "auto" and bad:
         raise ValueError(
-            f"clip must be 0 (off) or a factor >= 1 on the running norm of the pushes, got {c!r}; "
+            f"clip must be 'auto', 0 (off) or a factor >= 1 on the running norm of the pushes, got {c!r}; "
             "Note [Spike clipping] in pyasync/policy.py"
         )
 
@@ -131,9 +134,9 @@ class _PerPush(Policy):
         are scaled by (1 - momentum^(1/n)) / (1 - momentum) on top of 1/n, so each gradient still
         moves the parameters as far in total as in BSP. Adam's bias corrections follow, as its step
         count counts pushes. With equal workers and no delay this follows BSP within 5% over 40 rounds
-        (tests/engine/test_async_math.py), but on ``seq`` with the straggler it bought nothing (0.67 final
-        accuracy against 0.70 per push, one seed each, within the runs' noise), so it is off by
-        default until a workload shows it pays.
+        (tests/engine/test_async_math.py). On its own it bought nothing on ``seq`` with the straggler
+        (0.67 final accuracy against 0.70 per push); with look-ahead replies it is what makes them work
+        (Note [Look-ahead replies]), so it is on by default ("moments=push" turns it off).
 
     Note [Momentum correction]
         Asynchrony adds momentum of its own: applying gradients that are tau updates old behaves, in
@@ -173,8 +176,17 @@ class _PerPush(Policy):
         delay: n - 1 or so for a fast worker, more for a straggler. The masters and the optimizer
         state are not touched, only what the workers are sent; the final answer (after every worker
         closed) is the master itself, so replicas end equal. Without momentum state (SGD without
-        momentum, a generic optimizer) the answer is the master. The prediction ignores weight decay,
-        lr scales, ``moments=round`` and Nesterov's own flag: it is a look-ahead, not a replay. When an
+        momentum, a generic optimizer) the answer is the master. With ``moments=round`` the prediction
+        uses the per-push momentum mu^(1/n) (b1^(1/n)) the updates use; it ignores weight decay, lr
+        scales and Nesterov's own flag: it is a look-ahead, not a replay.
+
+        Why with moments per round: what the look-ahead cannot predict is the gradients that arrive
+        during the delay. Per push, each of them enters the update with weight 1 - mu (of a momentum
+        mu = 0.9, its share of the displacement); per round (mu^(1/n) = 0.974 per push for n = 4),
+        with 1 - mu^(1/n), four times less, and the buffer the look-ahead extrapolates carries the
+        rest. On ``seq`` with the straggler ASP went from 0.83 (look-ahead per push) to 0.98, and SSP(1)
+        from 0.98 to 0.997, BSP's accuracy (docs/benchmarks.md, "Defaults that converge"). Both are
+        the defaults ("lookahead=off", "moments=push" turn them off). When an
         owner dies (``elastic=True``), its shards' values come from the freshest replica, which holds a
         look-ahead: the new master then starts k momentum steps ahead, the displacement the lost
         momentum (re-initialized, or taken from the epoch's checkpoint) would have carried anyway.
@@ -190,14 +202,22 @@ class _PerPush(Policy):
         The user's ``max_grad_norm`` still clips each push first, on its worker. The running
         norm is not checkpointed; it restarts with the first push after a restore. Its cost: one
         norm per push (int8 and sign decode to scratch for it, a second decode) and, on a GPU, a
-        host sync in the applier thread to read it; the fused kernels take the factor as a scalar."""
+        host sync in the applier thread to read it; the fused kernels take the factor as a scalar.
+
+        The default, ``clip="auto"``, is c = AUTO_CLIP (1.5) where the optimizer keeps moments
+        (momentum, Adam) and no clip where it does not. With moments a spike is not applied once but
+        carried by the buffer for about 1/(1 - mu) updates, and that is where the cliffs were seen: on
+        ``seq`` with the straggler (three seeds, docs/benchmarks.md, "Defaults that converge") SSP(1)
+        with look-ahead ended at 0.83 median without the clip and 0.99 with it, ASP at 0.92 and 0.95.
+        Plain SGD applies each push once, unbiased: clipping would only bend its sum, so "auto" leaves
+        it alone. "clip=off" turns it off, "clip=<c>" sets c for every optimizer."""
 
     lr_scale: str | None = None
     momentum_correction: bool = False
-    round_moments: bool = False
+    round_moments: bool = True
     dc: float = 0.0
-    lookahead: int | str = 0
-    clip: float = 0.0
+    lookahead: int | str = "auto"
+    clip: float | str = "auto"
 
     def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
         if gated:
@@ -235,10 +255,12 @@ class _PerPush(Policy):
         """The spec's suffix for the options that differ from their defaults."""
         out = f":{self.lr_scale}" if self.lr_scale else ""
         out += ":mc=on" if self.momentum_correction else ""
-        out += ":moments=round" if self.round_moments else ""
+        out += "" if self.round_moments else ":moments=push"
         out += f":dc={self.dc:g}" if self.dc else ""
-        out += f":lookahead={self.lookahead}" if self.lookahead else ""
-        out += f":clip={self.clip:g}" if self.clip else ""
+        la = self.lookahead
+        out += "" if la == "auto" else f":lookahead={la}" if la else ":lookahead=off"
+        c = self.clip
+        out += "" if c == "auto" else f":clip={c:g}" if c else ":clip=off"
         return out
 
 
@@ -295,10 +317,10 @@ class SSP(_PerPush):
     staleness: int = 0
     lr_scale: str | None = None
     momentum_correction: bool = False
-    round_moments: bool = False
+    round_moments: bool = True
     dc: float = 0.0
-    lookahead: int | str = 0
-    clip: float = 0.0
+    lookahead: int | str = "auto"
+    clip: float | str = "auto"
 
     def __post_init__(self) -> None:
         check_int("SSP staleness", self.staleness, lo=0)
@@ -324,29 +346,39 @@ class ASP(_PerPush):
     """Asynchronous: every push is applied on arrival (gradient scaled by 1/n) and answered at once;
     a worker does not wait for the others, it installs whatever shard values have arrived.
 
-    ``max_unanswered`` bounds the pushes a worker may have unanswered when it starts a step (None, the
-    default: no bound): with 0 it starts step t + 1 only once every owner answered its push of step t
-    (so it never computes on values without its own last update), with 1 it may compute step t + 1
-    while the answers to step t are on their way, and so on. Note [Where staleness comes from] in
-    pyasync/engine/p2p/engine.py says what each costs and buys."""
+    ``max_unanswered`` bounds the pushes a worker may have unanswered when it starts a step: with 0 (the
+    default) it starts step t + 1 once every owner answered its push of step t (so it computes on
+    values that hold its own last update), with 1 it may compute step t + 1 while the answers to step
+    t are on their way, and so on; None ("unanswered=inf") is no bound. ``patience`` bounds that wait
+    (seconds, "auto": about one step; inf: until the timeout): an owner that does not answer in time
+    is not waited for (Notes [Where staleness comes from] and [Patience with one's own answers] in
+    pyasync/engine/p2p/engine.py)."""
 
     lr_scale: str | None = None
     momentum_correction: bool = False
-    round_moments: bool = False
+    round_moments: bool = True
     dc: float = 0.0
-    lookahead: int | str = 0
-    clip: float = 0.0
-    max_unanswered: int | None = None
+    lookahead: int | str = "auto"
+    clip: float | str = "auto"
+    max_unanswered: int | None = 0
+    patience: float | str = "auto"
     worker_waits = False
 
     def __post_init__(self) -> None:
         _check_per_push(self)
         if self.max_unanswered is not None:
             check_int("ASP max_unanswered", self.max_unanswered, lo=0)
+        p = self.patience
+        if p != "auto" and (isinstance(p, (str, bool)) or not isinstance(p, (int, float)) or not p >= 0):
+            raise ValueError(
+                f"ASP patience must be 'auto' or a number of seconds >= 0 (inf: until the timeout), got {p!r}"
+            )
 
     def spec(self) -> str:
-        u = self.max_unanswered
-        return "asp" + self._options() + ("" if u is None else f":unanswered={u}")
+        u, p = self.max_unanswered, self.patience
+        out = "asp" + self._options()
+        out += "" if u == 0 else ":unanswered=inf" if u is None else f":unanswered={u}"
+        return out + ("" if p == "auto" else f":patience={p:g}")
 
     def may_start(self, clock: int, included: Sequence[int]) -> bool:
         return True
@@ -434,17 +466,19 @@ def parse_policy(x: PolicyLike) -> Policy:
         f"unknown policy string {x!r}; use 'bsp', 'bsp:p2p', 'asp', 'ssp:<s>', 'quorum:<k>' or "
         "'quorum:<k>:fold'; asp and ssp take an lr scale ('asp:inverse', 'ssp:2:delay') and options "
         "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
-        "'lookahead=auto|<k>|off', 'clip=<c>|off' and, for asp, 'unanswered=<k or inf>'"
+        "'lookahead=auto|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
+        "'patience=auto|<seconds>|inf'"
     )
 
 
 def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     """ASP or SSP from the spec's positional ``args`` and its key=value ``opts``."""
-    known = {"mc", "moments", "dc", "lookahead", "clip"} | ({"unanswered"} if name == "asp" else set())
+    known = {"mc", "moments", "dc", "lookahead", "clip"}
+    known |= {"unanswered", "patience"} if name == "asp" else set()
     bad = sorted(set(opts) - known)
     if bad:
         raise ValueError(f"unknown option(s) {bad} for {name}; it takes {sorted(known)}")
-    mc, moments = opts.get("mc", "off"), opts.get("moments", "push")
+    mc, moments = opts.get("mc", "off"), opts.get("moments", "round")
     if mc not in ("on", "off"):
         raise ValueError(f"mc must be 'on' or 'off', got {mc!r}")
     if moments not in ("round", "push"):
@@ -456,12 +490,15 @@ def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
         la = opts["lookahead"]
         kw["lookahead"] = la if la == "auto" else 0 if la == "off" else int(la)
     if "clip" in opts:
-        kw["clip"] = 0.0 if opts["clip"] == "off" else float(opts["clip"])
+        c = opts["clip"]
+        kw["clip"] = c if c == "auto" else 0.0 if c == "off" else float(c)
     if name == "asp":
         if len(args) > 1:
             raise ValueError("asp takes at most one positional option (the lr scale)")
-        u = opts.get("unanswered", "inf")
+        u = opts.get("unanswered", "0")
         kw["max_unanswered"] = None if u == "inf" else int(u)
+        p = opts.get("patience", "auto")
+        kw["patience"] = p if p == "auto" else float(p)
         return ASP(lr_scale=args[0] if args else None, **kw)
     if not 1 <= len(args) <= 2:
         raise ValueError("ssp needs its staleness bound, then at most an lr scale ('ssp:2', 'ssp:2:delay')")

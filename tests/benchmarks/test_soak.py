@@ -126,9 +126,10 @@ def test_soak(compression):
 # Rank 0's appliers take 20 ms per update: its applier of two shards needs 80 ms per step of rank 1's
 # pushes plus its own, while rank 1 makes a step's pushes in a few ms. So its intake fills within the
 # first steps and stays full until rank 1's pushes (held in the sockets) run out at the end: no buffer
-# goes back to the pool early, so none is dropped and made again.
+# goes back to the pool early, so none is dropped and made again. "asp:unanswered=inf": rank 1 does not
+# wait for the slow owner's answers (ASP's default would, for about a step), so its pushes pile up there.
 SLOW = soak.SoakConfig(
-    steps=60, workers=2, compression="none", delay_ms=0.5, sample_every=20, rss_limit_mib=None,
+    steps=60, workers=2, policy="asp:unanswered=inf", compression="none", delay_ms=0.5, sample_every=20, rss_limit_mib=None,
     timeout_s=30, run_timeout_s=120, slow_owner_ms=20.0, slow_owner_rank=0,
 )
 

@@ -124,17 +124,21 @@ def test_delay_adaptive_lr_keeps_a_full_step_up_to_n_and_shrinks_beyond(stale, w
 @pytest.mark.parametrize(
     ("spec", "want"),
     [
-        ("asp", ASP()),
+        ("asp", ASP(max_unanswered=0, patience="auto", lookahead="auto", round_moments=True, clip="auto")),
         ("asp:unanswered=2", ASP(max_unanswered=2)),
-        ("asp:unanswered=0:mc=on", ASP(max_unanswered=0, momentum_correction=True)),
-        ("asp:unanswered=inf", ASP()),
-        ("asp:moments=round", ASP(round_moments=True)),
+        ("asp:unanswered=0:mc=on", ASP(momentum_correction=True)),
+        ("asp:unanswered=inf:patience=0.25", ASP(max_unanswered=None, patience=0.25)),
+        ("asp:patience=inf", ASP(patience=float("inf"))),
+        ("asp:moments=push", ASP(round_moments=False)),
         ("asp:delay", ASP(lr_scale="delay")),
-        ("ssp:1:mc=on:moments=round", SSP(1, momentum_correction=True, round_moments=True)),
+        ("ssp:1:mc=on:moments=push", SSP(1, momentum_correction=True, round_moments=False)),
         ("ssp:2:delay", SSP(2, lr_scale="delay")),
         ("asp:lookahead=auto:clip=1.5", ASP(lookahead="auto", clip=1.5)),
         ("ssp:3:lookahead=2", SSP(3, lookahead=2)),
-        ("asp:lookahead=off:clip=off", ASP()),
+        ("ssp:3", SSP(3, lookahead="auto", round_moments=True, clip="auto")),
+        ("ssp:1:clip=off", SSP(1, clip=0.0)),
+        ("ssp:1:clip=2", SSP(1, clip=2.0)),
+        ("asp:lookahead=off:clip=off:moments=push", ASP(lookahead=0, clip=0.0, round_moments=False)),
     ],
 )
 def test_policy_options_round_trip(spec, want):
@@ -146,6 +150,9 @@ def test_policy_options_round_trip(spec, want):
     ("spec", "says"),
     [
         ("asp:unanswered=-1", "max_unanswered"),
+        ("asp:patience=-1", "patience must be"),
+        ("asp:patience=soon", "could not convert"),
+        ("ssp:1:patience=1", "unknown option"),
         ("asp:mc=maybe", "mc must be"),
         ("ssp:1:moments=step", "moments must be"),
         ("ssp:1:unanswered=1", "unknown option"),
@@ -155,6 +162,7 @@ def test_policy_options_round_trip(spec, want):
         ("asp:lookahead=soon", "invalid literal"),
         ("ssp:1:clip=0.5", "clip must be"),
         ("ssp:1:clip=nan", "clip must be"),
+        ("ssp:1:clip=sometimes", "could not convert"),
     ],
 )
 def test_bad_policy_options_say_what_is_allowed(spec, says):
@@ -289,6 +297,26 @@ def test_adam_lookahead_follows_the_reference_formula(cls):
     torch.testing.assert_close(rule.lookahead(st, k, WORLD), want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_sgd_lookahead_follows_moments_per_round(k):
+    """With moments=round each push's momentum is mu^(1/n): the look-ahead of round_of=n is where k
+    zero-gradient pushes of that kind take the master (applied to a copy of the shard)."""
+    torch.manual_seed(3)
+    start = torch.randn(N)
+    opt = torch.optim.SGD([torch.zeros(1)], lr=0.05, momentum=0.9)
+    rule, sh = _shard(opt, start)
+    for i in range(6):
+        apply_push(rule, sh, _push(torch.randn(N), i % WORLD, i // WORLD), WORLD, 1.0, per_round=True)
+    got = rule.lookahead(sh.state, k, WORLD, round_of=WORLD)
+    _, twin = _shard(opt, sh.state.master.clone())
+    twin.state.state1.copy_(sh.state.state1)
+    twin.state.steps[:] = sh.state.steps
+    for j in range(k):
+        apply_push(rule, twin, _push(torch.zeros(N), j % WORLD, 9), WORLD, 1.0, per_round=True)
+    torch.testing.assert_close(got, twin.state.master, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, rule.lookahead(sh.state, k, WORLD))  # mu^(1/n), not mu
+
+
 def test_lookahead_without_momentum_state_is_the_master():
     torch.manual_seed(2)
     rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.randn(N))
@@ -314,7 +342,7 @@ def test_the_round_looks_ahead_by_each_workers_running_staleness():
         acts = fixed.push(w, 0, 0, True, (True,), object())
     (ans,) = [a for a in acts if isinstance(a, Answer)]
     assert len(ans.dests) == WORLD and ans.ahead == (2,) * WORLD
-    plain = ASP().round(WORLD, 1)
+    plain = ASP(lookahead=0).round(WORLD, 1)
     (ans,) = [a for a in plain.push(0, 0, 0, True, (True,), object()) if isinstance(a, Answer)]
     assert ans.ahead == ()
     for w in range(WORLD):
@@ -341,6 +369,12 @@ def test_spike_clipping_scales_outliers_down_to_c_times_the_running_norm():
     before = sh.norm
     f = spike_clip(sh, code, 1.5)
     assert f == pytest.approx(1.5 * before / (10.0 * N**0.5), rel=1e-5)
+    # A push without gradient on the shard leaves the running norm alone (a zero would pull it down and
+    # clip the next real push).
+    before = sh.norm
+    assert spike_clip(sh, _push(torch.zeros(N)).payload, 1.5) == 1.0 and sh.norm == before
+    fresh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.randn(N))[1]
+    assert spike_clip(fresh, _push(torch.zeros(N)).payload, 1.5) == 1.0 and fresh.norm is None
 
 
 def test_clip_reaches_the_applied_update():
@@ -354,3 +388,26 @@ def test_clip_reaches_the_applied_update():
     before = sh.state.master.clone()
     apply_push(rule, sh, _push(100.0 * g, 1), WORLD, 1.0, clip=2.0)
     torch.testing.assert_close(before - sh.state.master, 0.1 * 2.0 * g / WORLD, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_auto_clip_acts_where_the_optimizer_keeps_moments(momentum):
+    """clip="auto" (the default) clips an outlier at AUTO_CLIP x the running norm under SGD with momentum
+    (and Adam), and leaves plain SGD's unbiased sum alone (Note [Spike clipping])."""
+    from pyasync.policy import AUTO_CLIP
+
+    torch.manual_seed(5)
+    g = torch.randn(N)
+    g = g / g.norm()
+    rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=momentum), torch.randn(N))
+    apply_push(rule, sh, _push(g), WORLD, 1.0, clip="auto")
+    auto = sh.state.master.clone()
+    rule2, sh2 = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=momentum), sh.state.master.clone())
+    if sh.state.state1 is not None:
+        sh2.state.state1.copy_(sh.state.state1)
+        sh2.state.steps[:] = sh.state.steps
+    apply_push(rule, sh, _push(100.0 * g, 1), WORLD, 1.0, clip="auto")
+    want = AUTO_CLIP if momentum else 100.0
+    apply_push(rule2, sh2, _push(want * g, 1), WORLD, 1.0, clip=0.0)
+    assert not torch.equal(auto, sh.state.master)
+    torch.testing.assert_close(sh.state.master, sh2.state.master, rtol=1e-5, atol=1e-6)

@@ -124,7 +124,8 @@ def _copying_slow_owner(rank, world):
     soak._slow_owner_s = 0.02 if rank == 0 else 0.0
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    opt = pyasync.DistributedOptimizer(soak.SlowOwnerSGD(model.parameters(), lr=1e-4), policy="asp",
+    opt = pyasync.DistributedOptimizer(soak.SlowOwnerSGD(model.parameters(), lr=1e-4),
+                                       policy="asp:unanswered=inf",  # pushes pile up at the slow owner
                                        timeout=TIMEOUT, transport=lambda g, t: CopyingTcp(g, t))
     owner = opt.engine.owner
     held = 0

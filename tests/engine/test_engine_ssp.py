@@ -85,7 +85,9 @@ def _ssp_suite(rank, world):
 def _unanswered_suite(rank, world):
     import pyasync
 
-    policies = {m: pyasync.ASP(max_unanswered=m) for m in (0, 1, 3)}
+    # patience=inf: the bound itself, waited for until the timeout (the default patience would let a
+    # step start without an answer that is merely slow on a loaded machine)
+    policies = {m: pyasync.ASP(max_unanswered=m, patience=float("inf")) for m in (0, 1, 3)}
     return {m: _onehot_run(rank, world, p, None, delays=True, own=m) for m, p in policies.items()}
 
 

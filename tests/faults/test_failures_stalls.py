@@ -280,6 +280,7 @@ def _stopped_asp(rank, world, victim, pid):
         for t in range(STOP_AT, STOP_AT + ASP_STEPS):
             train_step(model, opt, rank, t)  # never waits for the stopped rank
             rec["steps_while_stopped"] += 1
+        rec["patience_expired"] = opt.stats().patience_expired
         if rank == 0:
             os.kill(pid.value, signal.SIGCONT)
     opt.close()  # the others wait (their deadline resets while it makes progress) until it closed too
@@ -296,15 +297,19 @@ def test_asp_goes_on_while_a_rank_is_stopped():
     assert codes == [0, 0, 0], codes
     for r in (0, 1):
         assert res[r]["steps_while_stopped"] == ASP_STEPS
+        # ASP waits for its own answers (Note [Patience with one's own answers]), but for the stopped
+        # owner once, not at each of the 50 steps
+        assert 1 <= res[r]["patience_expired"] < ASP_STEPS // 2, res[r]["patience_expired"]
     for rec in res:
         assert rec["threads"] == []
         assert all(torch.equal(a, b) for a, b in zip(rec["params"], res[0]["params"], strict=True))
 
 
-@pytest.mark.parametrize("policy", ["bsp", "bsp:p2p"])
+@pytest.mark.parametrize("policy", ["bsp", "bsp:p2p", "asp:patience=inf"])
 def test_a_rank_that_gives_up_does_not_hide_the_true_cause(policy):
-    """BSP, rank 2 stopped: ranks 0 and 1 time out naming it. Rank 0 gives up (close(), which times out
-    too). Rank 1 then steps again: it must keep failing with the true cause (rank 2), not blame rank 0."""
+    """BSP (or ASP waiting for its own answers without patience), rank 2 stopped: ranks 0 and 1 time out
+    naming it. Rank 0 gives up (close(), which times out too). Rank 1 then steps again: it must keep
+    failing with the true cause (rank 2), not blame rank 0."""
     world, victim = 3, 2
     c = ctx()
     res = run_workers(_gives_up, world, args=(policy, victim, c.Value("i", 0), c.Event(), c.Event()),

@@ -97,6 +97,50 @@ def test_survivors_finish_with_an_exact_ledger(policy, victim, where, codec):
     assert float(p[~seen].abs().sum()) == 0.0
 
 
+MOMENTUM_STEPS = 60
+
+
+def _quadratic(rank: int, world: int, policy: str, victim: int, kill_at: int):
+    """SGD at momentum 0.9 on 0.5 * |p - c_rank|^2 (c_rank = rank + 1 in every element), under a policy's
+    defaults (look-ahead replies, moments per round); the victim is SIGKILLed inside step()."""
+    p = torch.nn.Parameter(torch.zeros(300))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=0.1, momentum=0.9),
+        policy=policy,
+        timeout=TIMEOUT,
+        elastic=True,
+        bucket_cap_mb=128 * 4 / 2**20,  # several buckets: several shards per owner rank
+    )
+    if rank == victim:
+        opt.register_step_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL) if t == kill_at else None)
+    for t in range(MOMENTUM_STEPS):  # noqa: B007 (the kill hook reads t)
+        opt.zero_grad()
+        p.grad = p.detach() - float(rank + 1)
+        opt.step()
+    opt.close()
+    st = opt.stats()
+    return {"p": p.detach().clone(), "epochs": st.epochs, "clock": st.clock}
+
+
+@multiproc
+@pytest.mark.parametrize("policy", ["asp", "ssp:2"])
+def test_a_death_under_momentum_with_the_look_ahead_on(policy):
+    """The defaults of ASP and SSP answer with look-ahead values (Note [Look-ahead replies]), which the
+    dead owner's shards are then rebuilt from: the survivors finish with equal, finite replicas that
+    still converge to the mean of their targets."""
+    victim = 2
+    res = run_workers(_quadratic, WORLD, args=(policy, victim, 9), timeout=150, may_die=(victim,))
+    assert res[victim] is None
+    live = [r for r in range(WORLD) if r != victim]
+    for r in live:
+        assert res[r]["clock"] == MOMENTUM_STEPS and res[r]["epochs"][0]["lost"] == [victim], res[r]
+        torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
+    p = res[live[0]]["p"]
+    target = sum(r + 1 for r in live) / len(live)  # the survivors' optimum, 2.33
+    assert torch.isfinite(p).all()
+    assert float((p - target).abs().max()) < 0.1 * target, (float(p.min()), float(p.max()), target)
+
+
 def _train_external_store(rank: int, world: int, victim: int):
     p = torch.nn.Parameter(torch.zeros(64))
     opt = pyasync.DistributedOptimizer(

@@ -21,7 +21,7 @@ class Apply:
     implicit: float = 0.0
     per_round: bool = False  # moments advance per round of n pushes (Note [Moments per round])
     dc: float = 0.0  # the delay compensation's lambda (Note [Delay compensation]); 0: none
-    clip: float = 0.0  # clip the gradient at this x the shard's running norm (Note [Spike clipping]); 0: none
+    clip: float | str = 0.0  # x the shard's running norm (Note [Spike clipping]); 0: none; or "auto"
 
 
 @dataclass(frozen=True)

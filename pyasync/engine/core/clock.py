@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from pyasync.errors import EngineError, PeerFailure
 
-__all__ = ["Deadline", "EngineError", "as_raised", "wait_until"]
+__all__ = ["Deadline", "EngineError", "as_raised", "wait_at_most", "wait_until"]
 
 
 class Deadline:
@@ -75,3 +75,24 @@ def wait_until(
                 "(raise the DistributedOptimizer timeout if it is merely slow)"
             )
         cond.wait(min(left, 1.0))
+
+
+def wait_at_most(
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    seconds: float,
+    error: Callable[[], BaseException | None],
+) -> float:
+    """Wait on ``cond`` (held by the caller) until ``ready()`` or ``seconds`` have passed, whichever is
+    first; returns the seconds waited. For a wait that is a preference, not a need (ASP's patience with
+    its own answers): running out of time is no error. A failure recorded in ``error()`` is raised."""
+    t0 = time.monotonic()
+    end = t0 + seconds
+    while True:
+        err = error()
+        if err is not None:
+            raise as_raised(err)
+        now = time.monotonic()
+        if ready() or now >= end:
+            return now - t0
+        cond.wait(min(end - now, 1.0))

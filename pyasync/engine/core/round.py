@@ -218,7 +218,7 @@ class PushRound(Round):
             p = self.policy
             per_round = bool(getattr(p, "round_moments", False))
             dc = float(getattr(p, "dc", 0.0)) if stale > 0 else 0.0
-            clip = float(getattr(p, "clip", 0.0))
+            clip = getattr(p, "clip", 0.0)
             out = [Apply(item, p.lr_factor(stale, self.n), self._implicit(stale), per_round, dc, clip)]
             self.version += 1
             self.c.applied += 1

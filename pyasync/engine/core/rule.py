@@ -235,11 +235,13 @@ class UpdateRule:
             for i in idx:
                 s.steps[i] += 1
 
-    def lookahead(self, s: ShardState, k: int, n: int) -> torch.Tensor:
+    def lookahead(self, s: ShardState, k: int, n: int, round_of: int = 1) -> torch.Tensor:
         """Where shard ``s``'s master will be after ``k`` more updates with zero gradients (a new tensor):
         SGD: w - lr * (mu + ... + mu^k) * buf; Adam/AdamW: w - lr/n * (b1 + ... + b1^k) * m_hat /
         (sqrt(v_hat) + eps), each update a push's lr/n (Note [Look-ahead replies] in pyasync/policy.py).
-        The master itself (cloned) where there is no momentum state to carry it."""
+        ``round_of`` > 1: the updates advance the moments per round (:meth:`apply`), so mu and b1 are
+        their ``round_of``-th roots. The master itself (cloned) where there is no momentum state to
+        carry it."""
         out = s.master.clone()
         if k <= 0 or s.state1 is None or not self.fused:
             return out
@@ -249,11 +251,11 @@ class UpdateRule:
             grp, a, z = self.groups[seg.group], seg.begin, seg.end
             sign = 1.0 if grp.get("maximize", False) else -1.0
             if self.kind == "sgd":
-                mu = float(grp.get("momentum", 0.0))
+                mu = float(grp.get("momentum", 0.0)) ** (1.0 / round_of)
                 reach = sum(mu**j for j in range(1, k + 1))
                 out[a:z].add_(s.state1[a:z], alpha=sign * float(grp["lr"]) * reach)
             else:
-                b1, b2 = float(grp["betas"][0]), float(grp["betas"][1])
+                b1, b2 = (float(b) ** (1.0 / round_of) for b in grp["betas"])
                 reach = sum(b1**j for j in range(1, k + 1))
                 step_size, bc2_sqrt = ops_apply.adam_scalars(float(grp["lr"]) / n, b1, b2, s.steps[i])
                 denom = (s.state2[a:z].sqrt() / bc2_sqrt).add_(float(grp["eps"]))

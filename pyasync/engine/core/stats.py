@@ -30,6 +30,9 @@ class Stats:
         (Note [Reduces launched from backward]).
     buckets_early: under BSP on collectives, buckets whose reduce this rank launched from the backward
         hooks (the rest launched in step()).
+    patience_expired: under ASP's patience, the steps this worker started without the answers to its
+        own last push from an owner that had answered in time before (Note [Patience with one's own
+        answers]: a stopped or very slow owner; each costs at most one patience).
     intake_peak: most received pushes this rank's owner held at once (bounded, Note [Bounded intake]).
     epoch / members: the membership epoch and its ranks (global ranks; elastic=True, see
         pyasync/session/membership.py); epochs: every membership change this rank went through (lost ranks,
@@ -54,6 +57,7 @@ class Stats:
     buckets_reencoded: int = 0
     buckets_early: int = 0
     intake_peak: int = 0
+    patience_expired: int = 0
     epoch: int = 0
     members: list[int] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)

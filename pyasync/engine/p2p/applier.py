@@ -21,6 +21,7 @@ from pyasync.engine.core.rule import ShardState, UpdateRule
 from pyasync.engine.core.streams import used_here, wait_event
 from pyasync.engine.p2p.messages import Call, Close, Depart, Pause, Push, Release, Result, Stop
 from pyasync.ops import codecs as ops_codecs
+from pyasync.policy import AUTO_CLIP
 
 if TYPE_CHECKING:
     from pyasync.engine.core.clip import ClipGate
@@ -76,16 +77,19 @@ def apply_push(
     implicit: float = 0.0,
     per_round: bool = False,
     dc: tuple[float, torch.Tensor] | None = None,
-    clip: float = 0.0,
+    clip: float | str = 0.0,
 ) -> None:
     """Apply one push as an update of its own (Apply): its gradient x 1/n (Adam: its learning rate x 1/n,
     Note [A round of pushes] in pyasync/policy.py), the learning rate x ``lr_factor``, the explicit
     momentum less ``implicit`` (Note [Momentum correction]); ``per_round``: the optimizer's moments
     advance per round of n pushes (Note [Moments per round]); ``dc``: (lambda, what the pushing worker
     held of the shard), delay compensation (Note [Delay compensation]); ``clip`` > 0: the gradient is
-    clipped at ``clip`` x the shard's running norm (Note [Spike clipping])."""
+    clipped at ``clip`` x the shard's running norm (Note [Spike clipping]); "auto": at AUTO_CLIP where the
+    optimizer keeps moments (momentum, Adam), not at all where it does not."""
     adaptive = rule.kind == "adam"
-    scale = spike_clip(sh, push.payload, clip) if clip else 1.0
+    if clip == "auto":
+        clip = AUTO_CLIP if sh.state.state1 is not None else 0.0
+    scale = spike_clip(sh, push.payload, float(clip)) if clip else 1.0
     rule.apply(
         sh.state,
         payload=push.payload,
@@ -109,8 +113,12 @@ def payload_norm(sh: OwnedShard, payload) -> float:
 
 def spike_clip(sh: OwnedShard, payload, c: float) -> float:
     """The factor that clips this push's gradient at ``c`` x the shard's running norm (1.0 when within),
-    and the running norm moved by the clipped norm, over about 32 pushes (Note [Spike clipping])."""
+    and the running norm moved by the clipped norm, over about 32 pushes (Note [Spike clipping]). A push
+    with no gradient on the shard (norm 0: its parameters took no part in the step) leaves the running
+    norm alone, so that it does not clip the next real push."""
     norm = payload_norm(sh, payload)
+    if norm == 0.0:
+        return 1.0
     ref = sh.norm
     f = c * ref / norm if ref is not None and norm > c * ref else 1.0
     clipped = norm * f

@@ -35,7 +35,7 @@ from pyasync.engine import wire
 from pyasync.engine.core.access import ShardAccess, initial_masters
 from pyasync.engine.core.capture import Capture, check_grads, dense, forbid_error
 from pyasync.engine.core.clip import MeanClip
-from pyasync.engine.core.clock import wait_until
+from pyasync.engine.core.clock import wait_at_most, wait_until
 from pyasync.engine.core.failures import Failures
 from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.shards import BucketLayout
@@ -53,6 +53,10 @@ from pyasync.transport.base import Transport
 __all__ = ["Engine"]
 
 _log = logging.getLogger("pyasync")
+
+#: The least patience "auto" gives ASP's wait for a worker's own answers (Note [Patience with one's own
+#: answers]).
+PATIENCE_FLOOR_S = 0.05
 
 
 class Engine:
@@ -134,6 +138,8 @@ class Engine:
         self.shards = self._make_shards(compressor)
         self.step_seconds: collections.deque[float] = collections.deque(maxlen=32)  # recent step times
         self._step_start: float | None = None
+        self.late_owners: set[int] = set()  # owners whose answers ran out of ASP's patience (not yet in)
+        self.patience_expired = 0  # waits for this rank's own answers that ran out of patience
         self._start()
 
     # -- construction ---------------------------------------------------------------------------------
@@ -330,14 +336,7 @@ class Engine:
                 self.gated_done = t
             need = t if self.policy.worker_waits else t - self._unanswered_bound()
             if need >= 0:
-                with self.cond:
-                    self.wait_seconds += wait_until(
-                        self.cond,
-                        lambda: self.mailbox.all_answered(need),
-                        self.timeout,
-                        lambda: self._missing_answers(need),
-                        self.failures.err,
-                    )
+                self._await_answers(need)
         except PeerFailure as e:
             self.record_failure(e)
             raise
@@ -358,6 +357,58 @@ class Engine:
         self._step_start = now
         self.failures.raise_nonfinite(bad, self.on_nonfinite)
 
+    def _await_answers(self, need: int) -> None:
+        """Wait until every owner answered this rank's pushes of clock ``need``: for as long as the
+        timeout allows, or, under ASP's patience (Note [Patience with one's own answers]), for at most
+        the patience, not at all for an owner that ran out of it before and has not answered since."""
+        patience = self._patience()
+        with self.cond:
+            if patience is None:
+                self.wait_seconds += wait_until(
+                    self.cond,
+                    lambda: self.mailbox.all_answered(need),
+                    self.timeout,
+                    lambda: self._missing_answers(need),
+                    self.failures.err,
+                )
+                return
+            late = self.late_owners
+            self.wait_seconds += wait_at_most(
+                self.cond,
+                lambda: all(r in late for _, r in self.mailbox.unanswered(need)),
+                patience,
+                self.failures.err,
+            )
+            missing = {r for _, r in self.mailbox.unanswered(need)}
+            self.patience_expired += bool(missing - late)
+            self.late_owners = missing
+
+    def _patience(self) -> float | None:
+        """How long to wait for this rank's own answers before training on without them (None: until
+        the timeout).
+
+        Note [Patience with one's own answers]
+            ASP's default is ``max_unanswered=0``: a worker starts step t + 1 on values that hold its
+            own push of step t, as a parameter-server worker pushes and then pulls. Without it, half
+            of a push's staleness is the worker's own pushes in flight (Note [Where staleness comes
+            from]), and on ``seq`` ASP did not converge with any correction (docs/benchmarks.md). The
+            wait is for the owners' apply and reply, not for another worker's compute, but an owner is
+            also a worker: a stopped or hung rank would stall everyone's next step until the timeout.
+            So the wait is bounded by a patience (``asp:patience=<seconds>``; "auto", the default, is
+            the median of this rank's recent steps, at least 50 ms, and 1 s before the first step): a
+            busy machine that answers slowly does not run it out, while a stopped owner costs little.
+            When it runs out, the worker trains on with what has arrived, as unbounded ASP does, and
+            waits no more for the owners that were late until they answer again. A stopped rank then costs the others one patience,
+            not one per step (tests/faults/test_failures_stalls.py). ``patience=inf`` waits until the
+            timeout, as SSP does."""
+        p = getattr(self.policy, "patience", None)
+        if p is None or p == float("inf"):
+            return None
+        if p == "auto":
+            recent = sorted(self.step_seconds)
+            p = max(PATIENCE_FLOOR_S, recent[len(recent) // 2]) if recent else 1.0
+        return min(float(p), self.timeout.total_seconds())
+
     def _unanswered_bound(self) -> int:
         """How many of its pushes a worker may leave unanswered when it starts its next step (ASP's
         ``max_unanswered``; a bound past any clock when there is none).
@@ -374,10 +425,10 @@ class Engine:
             hurt"). ``max_unanswered=0`` ("asp:unanswered=0") removes it: a worker waits for the
             answers to its last push, which costs one owner's apply and one reply per step, and
             computes on values that hold its own update. On ``seq`` that halved the median staleness
-            (6 -> 3) and bought 11 points of accuracy, not the 30 that separate ASP from BSP there. It
-            is not the default, because it gives up a promise of ASP: with a rank stopped (SIGSTOP, a
-            hung host), the others wait for its owner's answers at their next step instead of
-            training on (test_asp_goes_on_while_a_rank_is_stopped in tests/faults/test_failures_stalls.py)."""
+            (6 -> 3); with the look-ahead and moments per round it is what made ASP converge there
+            (docs/benchmarks.md). It is ASP's default, with a patience so that a stopped rank cannot
+            stall the others (Note [Patience with one's own answers]); ``asp:unanswered=inf`` is the
+            unbounded pipeline."""
         bound = getattr(self.policy, "max_unanswered", None)
         return self.clock + 1 if bound is None else bound
 
@@ -417,9 +468,11 @@ class Engine:
             return dict(self.mailbox.installed_version)
 
     def stats(self) -> Stats:
-        return collect_stats(
+        st = collect_stats(
             self.clock, self.mailbox, self.owner, self.pusher, self.wait_seconds, self.grad_norm
         )
+        st.patience_expired = self.patience_expired
+        return st
 
     # -- close ------------------------------------------------------------------------------------
     def _missing_finals(self) -> str:

@@ -224,7 +224,8 @@ class Owner:
             if k <= 0:
                 return master
             if k not in seen:
-                seen[k] = ap.rule.lookahead(sh.state, k, self.n)
+                per_round = bool(getattr(rnd.policy, "round_moments", False))
+                seen[k] = ap.rule.lookahead(sh.state, k, self.n, self.n if per_round else 1)
             return seen[k]
 
         for i, (w, c) in enumerate(dests):
