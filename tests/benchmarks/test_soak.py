@@ -129,8 +129,8 @@ def test_soak(compression):
 # goes back to the pool early, so none is dropped and made again. "asp:unanswered=inf": rank 1 does not
 # wait for the slow owner's answers (ASP's default would, for about a step), so its pushes pile up there.
 SLOW = soak.SoakConfig(
-    steps=60, workers=2, policy="asp:unanswered=inf", compression="none", delay_ms=0.5, sample_every=20, rss_limit_mib=None,
-    timeout_s=30, run_timeout_s=120, slow_owner_ms=20.0, slow_owner_rank=0,
+    steps=60, workers=2, policy="asp:unanswered=inf", compression="none", delay_ms=0.5, sample_every=20,
+    rss_limit_mib=None, timeout_s=30, run_timeout_s=120, slow_owner_ms=20.0, slow_owner_rank=0,
 )
 
 

@@ -398,9 +398,9 @@ class Engine:
             the median of this rank's recent steps, at least 50 ms, and 1 s before the first step): a
             busy machine that answers slowly does not run it out, while a stopped owner costs little.
             When it runs out, the worker trains on with what has arrived, as unbounded ASP does, and
-            waits no more for the owners that were late until they answer again. A stopped rank then costs the others one patience,
-            not one per step (tests/faults/test_failures_stalls.py). ``patience=inf`` waits until the
-            timeout, as SSP does."""
+            waits no more for the owners that were late until they answer again. A stopped rank then
+            costs the others one patience, not one per step (tests/faults/test_failures_stalls.py).
+            ``patience=inf`` waits until the timeout, as SSP does."""
         p = getattr(self.policy, "patience", None)
         if p is None or p == float("inf"):
             return None
