@@ -184,9 +184,10 @@ class _PerPush(Policy):
         during the delay. Per push, each of them enters the update with weight 1 - mu (of a momentum
         mu = 0.9, its share of the displacement); per round (mu^(1/n) = 0.974 per push for n = 4),
         with 1 - mu^(1/n), four times less, and the buffer the look-ahead extrapolates carries the
-        rest. On ``seq`` with the straggler ASP went from 0.83 (look-ahead per push) to 0.98, and SSP(1)
-        from 0.98 to 0.997, BSP's accuracy (docs/benchmarks.md, "Defaults that converge"). Both are
-        the defaults ("lookahead=off", "moments=push" turn them off). When an
+        rest. On ``seq`` with the straggler (median of three seeds, with the spike clip; docs/benchmarks.md,
+        "Defaults that converge") SSP(1) went from 0.984 (look-ahead with moments per push) to 0.994,
+        BSP's 0.997 within half a point, and ASP, which also waits for its own answers now, from 0.83
+        to 0.95. Both are the defaults ("lookahead=off", "moments=push" turn them off). When an
         owner dies (``elastic=True``), its shards' values come from the freshest replica, which holds a
         look-ahead: the new master then starts k momentum steps ahead, the displacement the lost
         momentum (re-initialized, or taken from the epoch's checkpoint) would have carried anyway.
@@ -207,8 +208,9 @@ class _PerPush(Policy):
         The default, ``clip="auto"``, is c = AUTO_CLIP (1.5) where the optimizer keeps moments
         (momentum, Adam) and no clip where it does not. With moments a spike is not applied once but
         carried by the buffer for about 1/(1 - mu) updates, and that is where the cliffs were seen: on
-        ``seq`` with the straggler (three seeds, docs/benchmarks.md, "Defaults that converge") SSP(1)
-        with look-ahead ended at 0.83 median without the clip and 0.99 with it, ASP at 0.92 and 0.95.
+        ``seq`` with the straggler SSP(3) with look-ahead ended at 0.897 without the clip and 0.988
+        with it (one seed each; docs/benchmarks.md, "Look-ahead replies and spike clipping"); the clip
+        alone did not reach the target.
         Plain SGD applies each push once, unbiased: clipping would only bend its sum, so "auto" leaves
         it alone. "clip=off" turns it off, "clip=<c>" sets c for every optimizer."""
 
