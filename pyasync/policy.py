@@ -314,7 +314,10 @@ class SSP(_PerPush):
     """Stale-synchronous with bound ``staleness`` = s >= 0: every push is applied on arrival as one
     update (gradient scaled by 1/n); a worker may start step t only on parameters that include every
     worker's pushes of every clock <= t - s - 1. ``lr_scale="inverse"`` divides each update by
-    max(1, staleness)."""
+    max(1, staleness). By default (as for ASP) the optimizer's moments advance per round of n pushes,
+    answers look ahead by the worker's staleness and spikes are clipped where the optimizer keeps
+    moments (Notes [Moments per round], [Look-ahead replies], [Spike clipping]; "moments=push",
+    "lookahead=off", "clip=off" turn each off)."""
 
     staleness: int = 0
     lr_scale: str | None = None
