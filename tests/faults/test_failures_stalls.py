@@ -312,18 +312,21 @@ def test_a_rank_that_gives_up_does_not_hide_the_true_cause(policy):
     failing with the true cause (rank 2), not blame rank 0."""
     world, victim = 3, 2
     c = ctx()
-    res = run_workers(_gives_up, world, args=(policy, victim, c.Value("i", 0), c.Event(), c.Event()),
-                      timeout=HARNESS_S, may_die=(victim,))
+    args = (policy, victim, c.Value("i", 0), c.Event(), c.Event(), c.Barrier(world))
+    res = run_workers(_gives_up, world, args=args, timeout=HARNESS_S, may_die=(victim,))
     err = res[1]["error"]
     assert err is not None and (f"[{victim}]" in err["msg"] or f"rank {victim}" in err["msg"]), err
 
 
-def _gives_up(rank, world, policy, victim, pid, closed, retried):
+def _gives_up(rank, world, policy, victim, pid, closed, retried, stepped):
     import pyasync
 
     model, opt = make(policy, world, SHORT)
     rec: dict = {"timeout": None, "error": None}
     train_step(model, opt, rank, 0)
+    # Under ASP the victim's step 0 may end before its owner answered the others' pushes of step 0: it
+    # stops only once every rank has its answers, so that step 1 is the first to miss it.
+    stepped.wait(HARNESS_S)
     if rank == victim:
         pid.value = os.getpid()
         os.kill(os.getpid(), signal.SIGSTOP)
