@@ -6,6 +6,7 @@
     Int8(block=256, error_feedback=True) 1 byte / element + a 4-byte scale per block
     Sign(block=256, error_feedback=True) 1 bit / element + a 4-byte scale per block
     TopK(ratio=0.01, error_feedback=True) the ceil(ratio * n) largest |v|: 8 bytes each
+                                         (dgc="auto": momentum correction under SGD momentum)
 
 A lossy compressor with error feedback keeps, per slot ``key`` (the engine uses ``(bucket, shard)``),
 the residual ``e`` of what it could not send, and encodes ``v = g + e`` the next time, so that
@@ -24,7 +25,7 @@ The kernels are in :mod:`pyasync.ops.codecs`; their pure-torch specification is
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -135,12 +136,16 @@ class Compressor:
         if not self.error_feedback:
             return _codecs.encode(self.name, flat, out=out, **kwargs)
         cur, spare = self._slot(key, flat)
-        payload = _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
         self._undoable.discard(key)
+        payload = self._encode_with_residual(flat, cur, spare, key, out, kwargs)
         if payload.finite:
             self._residuals[key] = [spare, cur]
             self._undoable.add(key)
         return payload
+
+    def _encode_with_residual(self, flat, cur, spare, key, out, kwargs) -> Payload:
+        """Encode ``flat + cur`` writing the new residual into ``spare`` (the slot's buffers swap after)."""
+        return _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
 
     def encode_once(self, tensor: torch.Tensor, out: Payload | None = None) -> Payload:
         """Encode ``tensor`` (contiguous fp32) with this codec and no residual of its own: for callers
@@ -179,17 +184,9 @@ class Compressor:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Replace every residual by those of `state_dict` (from :meth:`state_dict`)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict of residual tensors, got {type(state_dict).__name__}")
-        loaded: dict[Hashable, list[torch.Tensor]] = {}
-        for k, v in state_dict.items():
-            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
-                got = getattr(v, "dtype", type(v).__name__)
-                raise TypeError(f"state_dict[{k!r}] must be a float32 tensor, got {got}")
-            if v.numel() and not self.error_feedback:
-                raise ValueError(f"{self.spec()} keeps no residuals but state_dict holds one for {k!r}")
-            cur = v.detach().reshape(-1).clone()
-            loaded[k] = [cur, torch.empty_like(cur)]
+        loaded = _load_slots(state_dict, "residual")
+        if not self.error_feedback and any(v[0].numel() for v in loaded.values()):
+            raise ValueError(f"{self.spec()} keeps no residuals but state_dict holds some")
         self._residuals = loaded
         self._undoable.clear()
 
@@ -276,30 +273,157 @@ class Sign(_Blockwise):
 
 class TopK(Compressor):
     """The ``k = min(n, max(1, ceil(ratio * n)))`` elements of largest |v|, as int32 indices + fp32
-    values. ``topk_ratio`` is the kept fraction; :meth:`ratio` is the byte ratio as for every codec."""
+    values. ``topk_ratio`` is the kept fraction; :meth:`ratio` is the byte ratio as for every codec.
+
+    ``dgc``: momentum correction with factor masking (Deep Gradient Compression; Note [Momentum
+    correction for top-k] in csrc/include/pyasync/math/topk.h). Each worker takes the momentum step
+    on its own gradient before compressing, error feedback sums the velocity, and the velocity of
+    what was sent is zeroed; the owners then step with momentum 0. "auto" (the default): on when the
+    optimizer is SGD with momentum (the engine calls :meth:`bind_momentum`), off otherwise; "on":
+    the same, but an optimizer without SGD momentum is an error; "off": top-k of the gradient, with
+    the owners' momentum. ``mask``: factor masking, "auto" (the default) where ``ratio`` < 1 -
+    momentum (an element is sent less often than the momentum remembers), True or False. Measured
+    in docs/benchmarks.md ("Top-k with momentum")."""
 
     name = "topk"
 
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, replies: bool = True) -> None:
+    def __init__(
+        self, ratio: float = 0.01, error_feedback: bool = True, replies: bool = True,
+        dgc: str | bool = "auto", mask: str | bool = "auto",
+    ) -> None:
         self.topk_ratio = _check_ratio(ratio)
+        if isinstance(dgc, bool):
+            dgc = "on" if dgc else "off"
+        if dgc not in ("auto", "on", "off"):
+            raise ValueError(
+                f"dgc must be 'auto', 'on' or 'off' (momentum correction for top-k), got {dgc!r}")
+        if dgc == "on" and not error_feedback:
+            raise ValueError(
+                "dgc='on' needs error_feedback=True: the velocity's unsent part is carried as a residual")
+        self.dgc = dgc
+        if mask not in ("auto", True, False):
+            raise ValueError(
+                f"mask must be 'auto', True or False (factor masking of top-k's velocity), got {mask!r}")
+        self.mask = mask if mask == "auto" else bool(mask)  # factor masking (dgc only): bind_momentum
+        self.masking = False  # what "auto" resolved to once bound
+        # The momentum of the workers' velocity step once bound (bind_momentum); None: no correction.
+        self.momentum: float | None = None
+        self.nesterov = False
+        self._source: Callable[[], float] | None = None
+        self._velocities: dict[Hashable, list[torch.Tensor]] = {}  # key -> [current, spare], as residuals
         super().__init__(error_feedback=error_feedback, replies=replies)
 
     def _args(self) -> dict[str, Any]:
-        return {"ratio": self.topk_ratio}
+        args: dict[str, Any] = {"ratio": self.topk_ratio}
+        if self.dgc != "auto":
+            args["dgc"] = int(self.dgc == "on")
+        if self.mask != "auto":
+            args["mask"] = int(self.mask)
+        return args
 
     def _encode_kwargs(self, n: int) -> dict[str, int]:
         return {"k": _codecs.topk_count(n, self.topk_ratio)}
+
+    def bind_momentum(
+        self, momentum: float, nesterov: bool = False, source: Callable[[], float] | None = None
+    ) -> None:
+        """Take the SGD momentum of the optimizer being wrapped (0 for one without): the velocity step
+        runs from now on when ``dgc`` is "auto" or "on" and ``momentum`` > 0. ``source``: called at
+        every compress for the momentum to use then (the engine passes the param groups', so a
+        momentum scheduler acts); None: ``momentum`` throughout. Called by the engine before the
+        first step; every worker binds the same value."""
+        momentum = check_real("momentum", momentum, lo=0.0, hi=1.0)
+        if self.dgc == "on" and momentum == 0.0:
+            raise ValueError(
+                "TopK(dgc='on') needs SGD with momentum > 0 (the correction moves the momentum onto the "
+                "workers); use dgc='auto' to turn it off by itself for other optimizers, or dgc='off'")
+        on = self.dgc != "off" and momentum > 0.0 and self.error_feedback
+        self.momentum = momentum if on else None
+        self.nesterov = bool(nesterov) if on else False
+        self._source = source if on else None
+        # Note [Momentum correction for top-k]: masking costs each send the velocity's tail, so it
+        # pays only where an element is sent less often than once per 1 / (1 - momentum) steps.
+        rare = self.topk_ratio < 1.0 - momentum
+        self.masking = on and (self.mask is True or (self.mask == "auto" and rare))
+        self._velocities.clear()
+
+    def _encode_with_residual(self, flat, cur, spare, key, out, kwargs) -> Payload:
+        if self.momentum is None:
+            return _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
+        u_cur, u_new = self._velocity_slot(key, flat)
+        x_buf = torch.empty_like(flat) if self.nesterov else None
+        mu = self.momentum if self._source is None else self._source()
+        x = _codecs.dgc_velocity(flat, u_cur, u_new, momentum=mu, nesterov=self.nesterov, x_out=x_buf)
+        payload = _codecs.encode(self.name, x, residual_in=cur, residual_out=spare, out=out,
+                                 mask_out=u_new if self.masking else None, **kwargs)
+        if payload.finite:
+            self._velocities[key] = [u_new, u_cur]
+        return payload
+
+    def undo(self, key: Hashable = None) -> None:
+        if key in self._undoable and key in self._velocities:
+            cur, prev = self._velocities[key]
+            self._velocities[key] = [prev, cur]
+        super().undo(key)
+
+    def velocity(self, key: Hashable = None) -> torch.Tensor | None:
+        """The current velocity of slot `key` under momentum correction (a live buffer), or None."""
+        slot = self._velocities.get(key)
+        return None if slot is None else slot[0]
+
+    def velocity_state_dict(self) -> dict[Hashable, torch.Tensor]:
+        """The velocities by key (copies), for checkpoints; empty without momentum correction."""
+        return {k: v[0].detach().clone() for k, v in self._velocities.items()}
+
+    def load_velocity_state_dict(self, state_dict: dict) -> None:
+        """Replace every velocity by those of `state_dict` (from :meth:`velocity_state_dict`)."""
+        self._velocities = _load_slots(state_dict, "velocity")
+        if self._velocities and self.momentum is None:
+            raise ValueError(f"{self.spec()} runs no momentum correction but the state holds velocities")
+
+    def reset(self) -> None:
+        self._velocities.clear()
+        super().reset()
+
+    def _velocity_slot(self, key: Hashable, flat: torch.Tensor) -> list[torch.Tensor]:
+        slot = self._velocities.get(key)
+        n = flat.numel()
+        if slot is None or slot[0].numel() != n:
+            slot = [torch.zeros(n, dtype=torch.float32, device=flat.device),
+                    torch.empty(n, dtype=torch.float32, device=flat.device)]
+            self._velocities[key] = slot
+        elif slot[0].device != flat.device:
+            slot = [slot[0].to(flat.device), torch.empty(n, dtype=torch.float32, device=flat.device)]
+            self._velocities[key] = slot
+        return slot
 
 
 _CLASSES: dict[str, type] = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "sign": Sign,
                              "topk": TopK}
 _SHORT_ARG = {"int8": "block", "sign": "block", "topk": "ratio"}  # the X of "name:X"
+_EXTRA_ARGS = {"topk": {"dgc", "mask"}}  # spec() arguments besides the short one, ef and replies
 _SPEC_RE = re.compile(r"^([a-z0-9]+)\((.*)\)$")
 _SPEC_HELP = (
     "use a Compressor, None, or one of 'none', 'fp16', 'bf16', 'int8', 'int8:BLOCK', 'sign', "
-    "'sign:BLOCK', 'topk', 'topk:RATIO', or a spec() string such as 'int8(block=256,ef=1)' "
-    "('replies=0': exact fp32 replies, only the pushes compressed)"
+    "'sign:BLOCK', 'topk', 'topk:RATIO', each optionally followed by ':ef=0', ':replies=0' or (topk) "
+    "':dgc=0|1', or a spec() string such as 'int8(block=256,ef=1)' "
+    "('replies=0': exact fp32 replies, only the pushes compressed; 'dgc=0|1' for topk: momentum "
+    "correction off or required)"
 )
+
+
+def _load_slots(state_dict: object, what: str) -> dict[Hashable, list[torch.Tensor]]:
+    """Double-buffered slots ([current, spare]) from a state dict of float32 tensors by key."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of {what} tensors, got {type(state_dict).__name__}")
+    loaded: dict[Hashable, list[torch.Tensor]] = {}
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            got = getattr(v, "dtype", type(v).__name__)
+            raise TypeError(f"state_dict[{k!r}] must be a float32 tensor, got {got}")
+        cur = v.detach().reshape(-1).clone()
+        loaded[k] = [cur, torch.empty_like(cur)]
+    return loaded
 
 
 def _parse_value(name: str, key: str, text: str) -> int | float | bool:
@@ -308,8 +432,10 @@ def _parse_value(name: str, key: str, text: str) -> int | float | bool:
             return float(text)
         if key == "block":
             return int(text)
-        if key in ("ef", "replies") and text in ("0", "1"):
+        if key in ("ef", "replies", "mask") and text in ("0", "1"):
             return text == "1"
+        if key == "dgc" and text in ("0", "1", "on", "off", "auto"):
+            return {"0": "off", "1": "on"}.get(text, text)
     except ValueError:
         pass
     raise ValueError(f"compression spec for {name!r}: bad value {text!r} for {key!r}; {_SPEC_HELP}")
@@ -332,21 +458,28 @@ def from_spec(x: Compressor | str | None) -> Compressor:
         if name not in _CLASSES:
             raise ValueError(f"unknown compression {x!r}; {_SPEC_HELP}")
         short = {_SHORT_ARG[name]} if name in _SHORT_ARG else set()
-        allowed = set() if name == "none" else short | {"ef", "replies"}
+        allowed = set() if name == "none" else short | {"ef", "replies"} | _EXTRA_ARGS.get(name, set())
         for part in filter(None, body.split(",")):
             key, eq, val = part.partition("=")
             key = key.strip()
             if not eq or key not in allowed or key in kwargs:
                 raise ValueError(f"compression spec {x!r}: unexpected argument {part!r}; {_SPEC_HELP}")
             kwargs[key] = _parse_value(name, key, val.strip())
-    else:
-        name, colon, arg = s.partition(":")
+    else:  # name[:X][:key=value]...
+        name, *parts = s.split(":")
         if name not in _CLASSES:
             raise ValueError(f"unknown compression {x!r}; {_SPEC_HELP}")
-        if colon:
+        if parts and "=" not in parts[0]:
             if name not in _SHORT_ARG:
                 raise ValueError(f"compression {name!r} takes no argument, got {x!r}; {_SPEC_HELP}")
-            kwargs[_SHORT_ARG[name]] = _parse_value(name, _SHORT_ARG[name], arg.strip())
+            kwargs[_SHORT_ARG[name]] = _parse_value(name, _SHORT_ARG[name], parts.pop(0).strip())
+        allowed = set() if name == "none" else {"ef", "replies"} | _EXTRA_ARGS.get(name, set())
+        for part in parts:
+            key, eq, val = part.partition("=")
+            key = key.strip()
+            if not eq or key not in allowed or key in kwargs:
+                raise ValueError(f"compression spec {x!r}: unexpected argument {part!r}; {_SPEC_HELP}")
+            kwargs[key] = _parse_value(name, key, val.strip())
     if "ef" in kwargs:
         kwargs["error_feedback"] = kwargs.pop("ef")
     return _CLASSES[name](**kwargs)

@@ -175,6 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             params, groups, names = trainable_params(self.param_groups, named_parameters)
             assign = assign_buckets(params, bucket_cap_mb)
             rule = UpdateRule(optimizer)
+            rule.bind_worker_momentum(comp)
             self._setup = Setup(
                 params=params,
                 names=names,
@@ -487,7 +488,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         eng = self.engine
         ep, comp = self._epoch, self._setup.compressor
         shards = eng.shards.snapshot()
-        return {
+        sd = {
             "format": 1,
             "rank": ep.rank,
             "world_size": ep.world,
@@ -498,6 +499,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "residuals": comp.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
+        if getattr(comp, "momentum", None) is not None:  # momentum-corrected top-k: the workers' velocities
+            sd["velocities"] = comp.velocity_state_dict()
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what state_dict() of the same rank returned (same world size, model and layout)."""
@@ -516,10 +520,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"state_dict holds shards of buckets {sorted(shards)}, this rank owns {sorted(owned)}"
             )
+        comp = self._setup.compressor
+        corrected = getattr(comp, "momentum", None) is not None
+        if state_dict.get("velocities") and not corrected:
+            raise ValueError(f"state_dict holds top-k velocities but compression={comp.spec()!r} keeps none")
 
         eng.shards.load({int(b): d for b, d in shards.items()})
         if "residuals" in state_dict:
-            self._setup.compressor.load_state_dict(state_dict["residuals"])
+            comp.load_state_dict(state_dict["residuals"])
+        if corrected:
+            comp.load_velocity_state_dict(state_dict.get("velocities", {}))
         for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
             for k, v in saved.items():
                 g[k] = v

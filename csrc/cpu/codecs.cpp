@@ -360,6 +360,7 @@ void encode_cpu(const EncodeParams& p) {
   PYASYNC_CHECK_ARG(p.out.n >= 0, "element count must be >= 0");
   if (p.out.n == 0) return;
   PYASYNC_CHECK_ARG(p.grad != nullptr && p.out.codes != nullptr, "encode needs grad and codes");
+  PYASYNC_CHECK_ARG(p.mask_out == nullptr || p.out.codec == Codec::kTopK, "mask_out is for the top-k codec only");
   switch (p.out.codec) {
     case Codec::kNone: return encode_cast<DType::kFloat32>(p);
     case Codec::kFP16: return encode_cast<DType::kFloat16>(p);

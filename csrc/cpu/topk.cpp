@@ -1,4 +1,5 @@
-// Top-k by magnitude with error feedback on the CPU: a sampled radix select over the uint32 keys.
+// Top-k by magnitude with error feedback on the CPU: a sampled radix select over the uint32 keys;
+// and the worker-side momentum step of momentum-corrected top-k (Note [Momentum correction for top-k]).
 // See Note [Top-k selection] (math/topk.h) for the semantics and Note [CPU top-k] for the method.
 #include <omp.h>
 
@@ -417,6 +418,7 @@ void stream_select_and_write(const EncodeParams& p, ThreadState& s, std::vector<
       codes[pos] = vbuf[j];
       ++pos;
       if (ro != nullptr && (kbuf[j] & kBadBit) == 0) ro[base + j] = math::topk_residual(vbuf[j], 0.0f, true);
+      if (p.mask_out != nullptr && (kbuf[j] & kBadBit) == 0) p.mask_out[base + j] = 0.0f;
     }
   });
 }
@@ -554,12 +556,34 @@ void topk_encode_cpu(const EncodeParams& p) {
       codes[pos] = c.val;
       ++pos;
       if (ro != nullptr && (c.key & kBadBit) == 0) ro[c.idx] = math::topk_residual(c.val, 0.0f, true);
+      if (p.mask_out != nullptr && (c.key & kBadBit) == 0) p.mask_out[c.idx] = 0.0f;
     }
   }
   if (any_bad && p.nonfinite != nullptr) *p.nonfinite = 1;
   for (ThreadState& s : ts) {  // keep at most ~48 MB of candidates per thread between calls
     if (s.cands.capacity() > (size_t{1} << 22)) std::vector<Cand>().swap(s.cands);
     if (s.bad.capacity() > (size_t{1} << 22)) std::vector<uint32_t>().swap(s.bad);
+  }
+}
+
+void dgc_velocity_cpu(const VelocityParams& p) {
+  PYASYNC_CHECK_ARG(p.n >= 0, "element count must be >= 0");
+  PYASYNC_CHECK_ARG(p.grad != nullptr && p.u_in != nullptr && p.u_out != nullptr, "the velocity step needs grad, u_in and u_out");
+  PYASYNC_CHECK_ARG(p.x_out != nullptr || !p.nesterov, "a Nesterov velocity step needs x_out");
+  const int64_t n = p.n;
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(resolve_num_threads(p.num_threads), n / kMinPerThread)));
+  const float mu = p.mu;
+  const float* const g = p.grad;
+  const float* const u = p.u_in;
+  float* const uo = p.u_out;
+  float* const xo = p.x_out;
+  const bool nesterov = p.nesterov;
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float un = math::dgc_velocity(u[i], g[i], mu);
+    uo[i] = un;
+    if (xo != nullptr) xo[i] = math::dgc_accumulated(un, g[i], mu, nesterov);
   }
 }
 

@@ -285,6 +285,7 @@ void encode_cuda(const EncodeParams& p, StreamHandle stream) {
   PYASYNC_CHECK_ARG(p.out.n >= 0, "element count must be >= 0");
   if (p.out.n == 0) return;
   PYASYNC_CHECK_ARG(p.grad != nullptr && p.out.codes != nullptr, "encode needs grad and codes");
+  PYASYNC_CHECK_ARG(p.mask_out == nullptr || p.out.codec == Codec::kTopK, "mask_out is for the top-k codec only");
   const cudaStream_t st = as_stream(stream);
   switch (p.out.codec) {
     case Codec::kNone: return launch_encode_cast<DType::kFloat32>(p, st);

@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // Step 6.
 __global__ void topk_write_kernel(const uint32_t* __restrict__ keys, const TopkState* st, const uint32_t* tile_gt,
                                   const uint32_t* tile_eq, const float* g, const float* e, float* ro, float* values,
-                                  int32_t* indices, int64_t n) {
+                                  int32_t* indices, float* mask, int64_t n) {
   using Scan = cub::BlockScan<uint32_t, kTopkThreads>;
   __shared__ typename Scan::TempStorage tmp;
   const uint32_t t = st->prefix, q = st->rank;
@@ -233,6 +233,7 @@ __global__ void topk_write_kernel(const uint32_t* __restrict__ keys, const TopkS
       indices[slot] = static_cast<int32_t>(i);
       values[slot] = v;
       if (ro != nullptr) ro[i] = math::topk_residual(v, ro[i], true);
+      if (mask != nullptr && !bad) mask[i] = 0.0f;  // factor masking: Note [Momentum correction for top-k]
     }
     gt += is_gt ? 1u : 0u;
     eq += is_eq ? 1u : 0u;
@@ -293,7 +294,31 @@ void topk_encode_cuda(const EncodeParams& p, StreamHandle stream) {
   topk_scan_tiles_kernel<<<1, kScanThreads, 0, s>>>(tile_gt, tile_eq, ws.tiles);
   PYASYNC_CUDA_CHECK_LAUNCH();
   topk_write_kernel<<<tiles, kTopkThreads, 0, s>>>(keys, st, tile_gt, tile_eq, p.grad, p.residual_in,
-                                                  p.residual_out, static_cast<float*>(p.out.codes), p.out.indices, n);
+                                                  p.residual_out, static_cast<float*>(p.out.codes), p.out.indices, p.mask_out,
+                                                  n);
+  PYASYNC_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+__global__ void dgc_velocity_kernel(VelocityParams p) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n; i += stride) {
+    const float g = p.grad[i];
+    const float un = math::dgc_velocity(p.u_in[i], g, p.mu);
+    p.u_out[i] = un;
+    if (p.x_out != nullptr) p.x_out[i] = math::dgc_accumulated(un, g, p.mu, p.nesterov);
+  }
+}
+
+}  // namespace
+
+void dgc_velocity_cuda(const VelocityParams& p, StreamHandle stream) {
+  PYASYNC_CHECK_ARG(p.n >= 0, "element count must be >= 0");
+  PYASYNC_CHECK_ARG(p.grad != nullptr && p.u_in != nullptr && p.u_out != nullptr, "the velocity step needs grad, u_in and u_out");
+  PYASYNC_CHECK_ARG(p.x_out != nullptr || !p.nesterov, "a Nesterov velocity step needs x_out");
+  if (p.n == 0) return;
+  dgc_velocity_kernel<<<grid_for(p.n), kThreads, 0, as_stream(stream)>>>(p);
   PYASYNC_CUDA_CHECK_LAUNCH();
 }
 

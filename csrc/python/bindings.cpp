@@ -71,7 +71,7 @@ pyasync::UnflattenParams unflatten_params(const std::vector<uint64_t>& dsts, con
 pyasync::EncodeParams encode_params(addr grad, addr residual_in, addr residual_out, int32_t codec, addr codes,
                                     addr scales, addr indices, int64_t n, int64_t k, int32_t block,
                                     addr nonfinite, addr workspace, int64_t workspace_bytes,
-                                    int32_t num_threads) {
+                                    int32_t num_threads, addr mask_out) {
   PYASYNC_CHECK_ARG(residual_in != 0 || residual_out == 0, "residual_out given without residual_in");
   return pyasync::EncodeParams{ptr<const float>(grad),
                                ptr<const float>(residual_in),
@@ -80,7 +80,16 @@ pyasync::EncodeParams encode_params(addr grad, addr residual_in, addr residual_o
                                ptr<int32_t>(nonfinite),
                                ptr<void>(workspace),
                                workspace_bytes,
-                               num_threads};
+                               num_threads,
+                               ptr<float>(mask_out)};
+}
+
+pyasync::VelocityParams velocity_params(addr grad, addr u_in, addr u_out, addr x_out, float mu, bool nesterov,
+                                        int64_t n, int32_t num_threads) {
+  PYASYNC_CHECK_ARG(n >= 0, "element count must be >= 0");
+  PYASYNC_CHECK_ARG(std::isfinite(mu) && mu >= 0.0f && mu < 1.0f, "momentum must be in [0, 1)");
+  return pyasync::VelocityParams{ptr<const float>(grad), ptr<const float>(u_in), ptr<float>(u_out), ptr<float>(x_out),
+                                 mu, nesterov, n, num_threads};
 }
 
 pyasync::DecodeParams decode_params(int32_t codec, addr codes, addr scales, addr indices, int64_t n, int64_t k,
@@ -219,7 +228,7 @@ PYBIND11_MODULE(_C, m) {
 #define PYASYNC_ENCODE_ARGS                                                                                      \
   py::arg("grad"), py::arg("residual_in"), py::arg("residual_out"), py::arg("codec"), py::arg("codes"),      \
       py::arg("scales"), py::arg("indices"), py::arg("n"), py::arg("k"), py::arg("block"), py::arg("nonfinite"), \
-      py::arg("workspace"), py::arg("workspace_bytes"), py::arg("num_threads")
+      py::arg("workspace"), py::arg("workspace_bytes"), py::arg("num_threads"), py::arg("mask_out")
 #define PYASYNC_DECODE_ARGS                                                                                      \
   py::arg("codec"), py::arg("codes"), py::arg("scales"), py::arg("indices"), py::arg("n"), py::arg("k"),     \
       py::arg("block"), py::arg("out"), py::arg("alpha"), py::arg("accumulate"), py::arg("num_threads")
@@ -234,4 +243,7 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(m, "encode_cpu", "encode_cuda", &encode_params, PYASYNC_LAUNCHERS(encode), PYASYNC_ENCODE_ARGS);
   def_kernel(m, "decode_cpu", "decode_cuda", &decode_params, PYASYNC_LAUNCHERS(decode), PYASYNC_DECODE_ARGS);
   def_kernel(m, "apply_cpu", "apply_cuda", &apply_params, PYASYNC_LAUNCHERS(apply), PYASYNC_APPLY_ARGS);
+  def_kernel(m, "dgc_velocity_cpu", "dgc_velocity_cuda", &velocity_params, PYASYNC_LAUNCHERS(dgc_velocity),
+             py::arg("grad"), py::arg("u_in"), py::arg("u_out"), py::arg("x_out"), py::arg("mu"), py::arg("nesterov"),
+             py::arg("n"), py::arg("num_threads"));
 }

@@ -95,6 +95,8 @@ def reshard(d: str, mpath: str, m: dict, t: Target) -> dict:
     residuals = reshard_residuals(mpath, [sd["residuals"] for sd in sds], old_layouts, t)
     sd = dict(sds[0])
     sd.update(rank=t.rank, world_size=t.world, shards=out_shards, residuals=residuals)
+    if any("velocities" in x for x in sds):  # momentum-corrected top-k: re-sharded as the residuals
+        sd["velocities"] = reshard_residuals(mpath, [x.get("velocities", {}) for x in sds], old_layouts, t)
     check_state(mpath + " (re-sharded)", sd, t.param_groups, t.rank, t.world, t.layouts)
     return sd
 

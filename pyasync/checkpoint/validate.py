@@ -108,6 +108,28 @@ def _check_tensor(fpath: str, where: str, t: Any, numel: int | None, dtype: torc
         raise CheckpointError(f"{fpath}: {where} has {t.numel()} elements, expected {numel}")
 
 
+def _check_slots(fpath: str, name: str, one: str, res: object, world: int, layouts: list) -> None:
+    """A compressor's per-(bucket, shard) fp32 slots: keys of this layout, sizes, finite values."""
+    if not isinstance(res, dict):
+        raise CheckpointError(f"{fpath}: {name!r} is not a dict")
+    for k, t in res.items():
+        ok = (
+            isinstance(k, tuple)
+            and len(k) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
+            and 0 <= k[0] < len(layouts)
+            and 0 <= k[1] < world
+        )
+        if not ok:
+            raise CheckpointError(
+                f"{fpath}: {one} key {k!r} is not a (bucket, shard) of this layout "
+                f"({len(layouts)} buckets, {world} shards each)"
+            )
+        _check_tensor(fpath, f"{name}[{k}]", t, layouts[k[0]].shards[k[1]].numel, torch.float32)
+        if not bool(torch.isfinite(t).all()):  # a compressor never keeps one (see compression.py)
+            raise CheckpointError(f"{fpath}: {name}[{k}] holds NaN or Inf")
+
+
 def check_state(fpath: str, sd: Any, param_groups: list[dict], rank: int, world: int, layouts) -> None:
     """Everything DistributedOptimizer.load_state_dict will read (for shard ``rank`` of ``world`` of
     ``layouts``, and an optimizer of these ``param_groups``), checked before it runs."""
@@ -144,25 +166,8 @@ def check_state(fpath: str, sd: Any, param_groups: list[dict], rank: int, world:
                 _check_tensor(fpath, f"{w}['optim'][{k!r}]", t, sh.numel, torch.float32)
             elif k != "steps" and not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"{fpath}: {w}['optim'][{k!r}] is not a tensor")
-    res = sd.get("residuals", {})
-    if not isinstance(res, dict):
-        raise CheckpointError(f"{fpath}: 'residuals' is not a dict")
-    for k, t in res.items():
-        ok = (
-            isinstance(k, tuple)
-            and len(k) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
-            and 0 <= k[0] < len(layouts)
-            and 0 <= k[1] < world
-        )
-        if not ok:
-            raise CheckpointError(
-                f"{fpath}: residual key {k!r} is not a (bucket, shard) of this layout "
-                f"({len(layouts)} buckets, {world} shards each)"
-            )
-        _check_tensor(fpath, f"residuals[{k}]", t, layouts[k[0]].shards[k[1]].numel, torch.float32)
-        if not bool(torch.isfinite(t).all()):  # a compressor never keeps one (see compression.py)
-            raise CheckpointError(f"{fpath}: residuals[{k}] holds NaN or Inf")
+    for name, one in (("residuals", "residual"), ("velocities", "velocity")):  # velocities: compression.TopK
+        _check_slots(fpath, name, one, sd.get(name, {}), world, layouts)
     groups = sd.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(param_groups):
         raise CheckpointError(f"{fpath}: expected {len(param_groups)} param_groups")

@@ -37,6 +37,7 @@ __all__ = [
     "MAX_BLOCK",
     "check_payload",
     "decode",
+    "dgc_velocity",
     "empty_payload",
     "encode",
     "payload_nbytes",
@@ -155,6 +156,16 @@ def check_payload(
         dev = t.device
 
 
+def _check_mask_out(mask_out: torch.Tensor, codec: str, grad: torch.Tensor, residual_out) -> None:
+    if codec != "topk":
+        raise ValueError(f"mask_out is for the 'topk' codec only, got codec {codec!r}")
+    check_tensor("mask_out", mask_out, dtype=torch.float32, device=grad.device, numel=grad.numel())
+    same = mask_out.data_ptr() == grad.data_ptr()  # each element is read before it is masked
+    if grad.numel() > 0 and ((overlaps(mask_out, grad) and not same) or (
+            residual_out is not None and overlaps(mask_out, residual_out))):
+        raise ValueError("mask_out must be grad itself or overlap neither grad nor residual_out")
+
+
 def encode(
     codec: str,
     grad: torch.Tensor,
@@ -166,6 +177,7 @@ def encode(
     out: Payload | None = None,
     nonfinite: torch.Tensor | None = None,
     num_threads: int | None = None,
+    mask_out: torch.Tensor | None = None,
 ) -> Payload:
     """Encode ``v = grad + residual_in`` with `codec`; with error feedback write
     ``residual_out = v - decode(payload)``.
@@ -178,6 +190,9 @@ def encode(
     cleared: pass a zeroed one); else a fresh flag is used. Where an element is non-finite, its
     residual keeps residual_in. ``payload.finite`` is read from the flag (one small host sync on
     CUDA). num_threads: CPU threads (None: the default).
+    mask_out (top-k only): n fp32 zeroed at every element sent whose v is finite: the factor masking
+    of a momentum-corrected top-k (:func:`dgc_velocity`; Note [Momentum correction for top-k] in
+    csrc/include/pyasync/math/topk.h). It may be grad itself: every element is read before it is masked.
     """
     codec = _check_codec(codec)
     check_tensor("grad", grad, dtype=torch.float32)
@@ -196,6 +211,8 @@ def encode(
                 raise ValueError("residual_out must not overlap grad")
             if residual_out.data_ptr() != residual_in.data_ptr() and overlaps(residual_out, residual_in):
                 raise ValueError("residual_out must be residual_in itself (in place) or not overlap it")
+    if mask_out is not None:
+        _check_mask_out(mask_out, codec, grad, residual_out)
     block = _check_block(block) if codec in BLOCK_CODECS else 0
     k = _check_k(k, n) if codec == "topk" else 0
     nt = check_num_threads(num_threads)
@@ -240,9 +257,62 @@ def encode(
         workspace=addr(workspace),
         workspace_bytes=ws_bytes,
         num_threads=nt,
+        mask_out=addr(mask_out),
     )
     out.finite = not bool(flag[0].item())
     return out
+
+
+def dgc_velocity(
+    grad: torch.Tensor,
+    u_in: torch.Tensor,
+    u_out: torch.Tensor,
+    *,
+    momentum: float,
+    nesterov: bool = False,
+    x_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """The worker's momentum step of a momentum-corrected top-k (DGC; Note [Momentum correction for
+    top-k] in csrc/include/pyasync/math/topk.h): ``u_out = momentum * u_in + grad``, and the value to
+    encode, ``x = u_out`` or, with Nesterov, ``grad + momentum * u_out`` into ``x_out``. Returns x.
+
+    grad, u_in, u_out, x_out: n contiguous fp32 on one device; u_out may be u_in (in place) but
+    overlaps neither grad nor x_out. momentum in [0, 1). x_out is required with Nesterov; without
+    it, x is u_out itself.
+    """
+    check_tensor("grad", grad, dtype=torch.float32)
+    if grad.dim() != 1:
+        raise ValueError(f"grad must be 1-D (flatten it first), got shape {tuple(grad.shape)}")
+    n, device = grad.numel(), grad.device
+    check_tensor("u_in", u_in, dtype=torch.float32, device=device, numel=n)
+    check_tensor("u_out", u_out, dtype=torch.float32, device=device, numel=n)
+    momentum = check_real("momentum", momentum)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    check_bool("nesterov", nesterov)
+    if nesterov and x_out is None:
+        raise ValueError("a Nesterov velocity step needs x_out (x = grad + momentum * u_out is not u_out)")
+    if x_out is not None:
+        check_tensor("x_out", x_out, dtype=torch.float32, device=device, numel=n)
+    if n > 0:
+        if overlaps(u_out, grad) or (x_out is not None and (overlaps(x_out, u_out) or overlaps(x_out, u_in))):
+            raise ValueError("u_out must not overlap grad, and x_out must overlap neither u_in nor u_out")
+        if u_out.data_ptr() != u_in.data_ptr() and overlaps(u_out, u_in):
+            raise ValueError("u_out must be u_in itself (in place) or not overlap it")
+        launch(
+            "dgc_velocity",
+            device,
+            grad=addr(grad),
+            u_in=addr(u_in),
+            u_out=addr(u_out),
+            x_out=addr(x_out),
+            mu=float(momentum),
+            nesterov=bool(nesterov),
+            n=n,
+            num_threads=check_num_threads(num_threads),
+        )
+    return u_out if x_out is None else x_out
 
 
 def decode(

@@ -9,7 +9,7 @@ import torch
 
 from pyasync.ops._common import Payload
 
-__all__ = ["topk_encode", "topk_key"]
+__all__ = ["dgc_encode", "dgc_velocity", "topk_encode", "topk_key"]
 
 
 def topk_key(v: torch.Tensor) -> torch.Tensor:
@@ -62,3 +62,34 @@ def topk_encode(
     if residual is not None:
         new_residual = torch.where(bad, residual, torch.where(keep, torch.zeros_like(v), v))
     return payload, new_residual
+
+
+def dgc_velocity(
+    grad: torch.Tensor, u: torch.Tensor, momentum: float, nesterov: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The worker's momentum step of a momentum-corrected top-k (Note [Momentum correction for top-k]
+    in csrc/include/pyasync/math/topk.h): returns the new velocity ``u' = momentum * u + grad`` and
+    what error feedback accumulates, ``u'`` or, with Nesterov, ``grad + momentum * u'`` (each
+    product and sum rounded on its own, as the kernels do)."""
+    u_new = (u * momentum) + grad
+    x = grad + (u_new * momentum) if nesterov else u_new
+    return u_new, x
+
+
+def dgc_encode(
+    grad: torch.Tensor, u: torch.Tensor, residual: torch.Tensor, k: int, momentum: float,
+    nesterov: bool = False, mask: bool = True,
+) -> tuple[Payload, torch.Tensor, torch.Tensor]:
+    """One step of momentum-corrected top-k: the velocity step, top-k of ``x + residual`` with error
+    feedback, then (``mask``: factor masking) the new velocity zeroed where an element was sent.
+    Returns (payload, new velocity, new residual); where the payload is not finite the caller keeps
+    the old velocity and residual."""
+    u_new, x = dgc_velocity(grad, u, momentum, nesterov)
+    payload, new_residual = topk_encode(x, residual, k)
+    if not mask:
+        return payload, u_new, new_residual
+    idx = payload.indices.to(torch.int64)
+    sent = torch.isfinite(payload.codes)
+    u_new = u_new.clone()
+    u_new[idx[sent]] = 0.0
+    return payload, u_new, new_residual

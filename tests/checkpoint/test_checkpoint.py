@@ -48,6 +48,9 @@ def _make(kind: str, seed: int, hidden: int = 7, policy: str = "bsp"):
     elif kind in ("plain-int8", "plain-topk"):  # plain SGD: the applied total is a ledger of the pushes
         base = torch.optim.SGD(model.parameters(), lr=PLAIN_LR)
         comp = pyasync.compression.Int8(block=4) if kind == "plain-int8" else pyasync.compression.TopK(0.1)
+    elif kind == "sgd-topk":  # momentum-corrected top-k: the workers' velocities are state
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        comp = pyasync.compression.TopK(0.3)
     elif kind == "adamw-bf16":
         model.to(torch.bfloat16)
         base = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -123,8 +126,8 @@ def _resume(rank, world, root, kinds):
 
 @pytest.mark.parametrize(
     "world, kinds",
-    [(2, ("sgd", "adamw", "sgd-int8", "adamw-bf16")), (4, ("adamw", "sgd-int8"))],
-    ids=["n2-sgd-adamw-int8-bf16", "n4-adamw-int8"],
+    [(2, ("sgd", "adamw", "sgd-int8", "adamw-bf16", "sgd-topk")), (4, ("adamw", "sgd-int8", "sgd-topk"))],
+    ids=["n2-sgd-adamw-int8-bf16-topk", "n4-adamw-int8-topk"],
 )
 def test_resume_is_bit_identical(tmp_path, world, kinds):
     """Bit-identical at every later step, on any number of ranks: a BSP owner sums the round's pushes
@@ -556,15 +559,56 @@ def _whole_residuals(res: dict, bounds: list[list[int]]) -> list[torch.Tensor]:
     ]
 
 
-def _saved_residuals(d) -> list[list[torch.Tensor]]:
-    """[old worker][bucket]: the whole-bucket residuals, read from the checkpoint's own files."""
+def _saved_residuals(d, name: str = "residuals") -> list[list[torch.Tensor]]:
+    """[old worker][bucket]: the whole-bucket residuals (or top-k velocities), read from the
+    checkpoint's own files."""
     m = json.loads((d / "manifest.json").read_text())
     bounds = [b["shard_bounds"] for b in m["buckets"]]
     out = []
     for s in sorted(m["shards"], key=lambda s: s["rank"]):
         sd = torch.load(d / s["file"], weights_only=True)
-        out.append(_whole_residuals(sd["residuals"], bounds))
+        out.append(_whole_residuals(sd[name], bounds))
     return out
+
+
+def _velocity_save(rank, world, root):
+    import pyasync
+
+    model, opt = _make("sgd-topk", seed=0)
+    for t in range(K):
+        _train_step(model, opt, rank, t)
+    pyasync.save_checkpoint(root, opt)
+    opt.close()
+    return True
+
+
+def _velocity_load(rank, world, root):
+    import pyasync
+
+    model, opt = _make("sgd-topk", seed=5 + rank)
+    pyasync.load_checkpoint(root, opt)
+    out = {
+        "velocities": opt.compressor.velocity_state_dict(),
+        "bounds": [[sh.begin for sh in lay.shards] + [lay.numel] for lay in opt.bucket_layouts],
+    }
+    _train_step(model, opt, rank, K)  # the loaded velocities step on
+    opt.close()
+    return out
+
+
+def test_reshard_carries_topk_velocities(tmp_path):
+    """Momentum-corrected top-k saved by 4 ranks loads into 2: each new worker's velocities are those
+    of its old workers w = v mod 2, summed and scaled by d_new / d_old, as the residuals (the
+    velocity is owed displacement too: Note [Momentum correction for top-k])."""
+    run_workers(_velocity_save, 4, args=(str(tmp_path),), timeout=120)
+    saved = _saved_residuals(tmp_path, "velocities")
+    assert any(float(b.abs().max()) > 0 for w in saved for b in w), "nothing to re-shard"
+    loaded = run_workers(_velocity_load, 2, args=(str(tmp_path),), timeout=120)
+    for v in range(2):
+        got = _whole_residuals(loaded[v]["velocities"], loaded[v]["bounds"])
+        for b, have in enumerate(got):
+            want = ((saved[v][b] + saved[v + 2][b]) * 2 / 4).float().double()
+            assert torch.equal(have, want), f"rank {v} bucket {b}"
 
 
 @pytest.fixture(scope="module")

@@ -275,7 +275,7 @@ def test_core_rejects_bad_sizes() -> None:
             c.encode_cpu(
                 grad=g.data_ptr(), residual_in=0, residual_out=0, codec=5, codes=codes.data_ptr(), scales=0,
                 indices=idx.data_ptr(), n=n, k=k, block=0, nonfinite=0, workspace=0, workspace_bytes=0,
-                num_threads=0,
+                num_threads=0, mask_out=0,
             )
     with pytest.raises(ValueError, match="1 <= k <= n"):
         c.topk_workspace_bytes(10, 11)

@@ -16,6 +16,7 @@ void encode_cpu(const EncodeParams& p);   // dispatches on p.out.codec (top-k: t
 void decode_cpu(const DecodeParams& p);
 void topk_encode_cpu(const EncodeParams& p);
 void apply_cpu(const ApplyParams& p);
+void dgc_velocity_cpu(const VelocityParams& p);
 
 // Scratch bytes the CUDA top-k encode needs for n elements and k kept (host computation).
 int64_t topk_workspace_bytes(int64_t n, int64_t k);
@@ -27,6 +28,7 @@ void encode_cuda(const EncodeParams& p, StreamHandle stream);
 void decode_cuda(const DecodeParams& p, StreamHandle stream);
 void topk_encode_cuda(const EncodeParams& p, StreamHandle stream);
 void apply_cuda(const ApplyParams& p, StreamHandle stream);
+void dgc_velocity_cuda(const VelocityParams& p, StreamHandle stream);
 // Number of usable CUDA devices; 0 when no driver or no device. Never throws.
 int cuda_device_count();
 #endif

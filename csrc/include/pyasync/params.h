@@ -69,6 +69,21 @@ struct EncodeParams {
   void* workspace;            // top-k scratch of topk_workspace_bytes(n, k) bytes (CUDA; CPU may be null)
   int64_t workspace_bytes;    // size of workspace in bytes
   int32_t num_threads;        // CPU threads; 0: the default
+  float* mask_out;            // top-k only, nullable: zeroed where an element is sent (factor masking,
+                              // Note [Momentum correction for top-k] in math/topk.h)
+};
+
+// The worker's momentum step before a top-k encode: u_out = mu * u_in + grad, and x_out the value
+// error feedback accumulates (Note [Momentum correction for top-k] in math/topk.h).
+struct VelocityParams {
+  const float* grad;          // n fp32 gradient values
+  const float* u_in;          // n fp32: the velocity before this step
+  float* u_out;               // n fp32: the new velocity (may alias u_in)
+  float* x_out;               // nullable: the accumulated value; null: x is u_out (needs nesterov false)
+  float mu;                   // the momentum
+  bool nesterov;              // x = grad + mu * u_out instead of u_out
+  int64_t n;                  // elements
+  int32_t num_threads;        // CPU threads; 0: the default
 };
 
 // out = (accumulate ? out : 0) + alpha * decode(in)

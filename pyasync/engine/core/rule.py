@@ -64,16 +64,55 @@ class UpdateRule:
             )
         else:
             self.kind = "generic"
+        # > 0: the workers take SGD's momentum step before a momentum-corrected top-k (Note [Momentum
+        # correction for top-k] in csrc/include/pyasync/math/topk.h); the owners then step with
+        # momentum 0 and keep no momentum buffer. Set by bind_worker_momentum.
+        self.worker_momentum = 0.0
 
     @property
     def fused(self) -> bool:
         return self.kind != "generic"
 
+    def bind_worker_momentum(self, compressor) -> None:
+        """Give a top-k compressor the optimizer's SGD momentum (``compressor.bind_momentum``) and, when
+        it takes the momentum step on the workers, stop taking it here. Momentum correction needs one
+        momentum, dampening 0 and one Nesterov setting in every param group: otherwise ``dgc="auto"``
+        leaves it off and ``dgc="on"`` is an error."""
+        bind = getattr(compressor, "bind_momentum", None)
+        if bind is None:
+            return
+        momenta = {float(g.get("momentum", 0.0)) for g in self.groups} if self.kind == "sgd" else {0.0}
+        nesterov = {bool(g.get("nesterov", False)) for g in self.groups}
+        damped = any(float(g.get("dampening", 0.0)) != 0.0 for g in self.groups)
+        if len(momenta) > 1 or len(nesterov) > 1 or damped:
+            if compressor.dgc == "on":
+                raise ValueError(
+                    "TopK(dgc='on') needs one SGD momentum, one nesterov setting and dampening 0 in every "
+                    f"param group; got momenta {sorted(momenta)}, nesterov {sorted(nesterov)}, dampening "
+                    f"{'!= 0' if damped else '0'}. Use TopK(dgc='off') for per-group momentum")
+            momenta = {0.0}
+        bind(momenta.pop(), nesterov.pop() if len(nesterov) == 1 else False, source=self.current_momentum)
+        self.worker_momentum = compressor.momentum or 0.0
+
+    def current_momentum(self) -> float:
+        """The SGD momentum the param groups hold now (a scheduler may change it, e.g. OneCycleLR's
+        cycle_momentum): what momentum-corrected top-k steps the workers' velocities with."""
+        momenta = {float(g.get("momentum", 0.0)) for g in self.groups}
+        if len(momenta) != 1:
+            raise ValueError(
+                f"momentum-corrected top-k needs one SGD momentum in every param group, but they now hold "
+                f"{sorted(momenta)} (a scheduler changed them?); set them together, or use TopK(dgc='off')")
+        return momenta.pop()
+
+    def _momentum(self, grp: dict) -> float:
+        """The momentum the owner's SGD step uses for group ``grp`` (0 when the workers take it)."""
+        return 0.0 if self.worker_momentum else float(grp.get("momentum", 0.0))
+
     def state_names(self) -> list[str]:
         """Names of the fused rule's per-element state tensors (besides the per-segment "steps")."""
         if self.kind == "adam":
             return ["state1", "state2"]
-        if self.kind == "sgd" and any(float(g.get("momentum", 0.0)) != 0.0 for g in self.groups):
+        if self.kind == "sgd" and any(self._momentum(g) != 0.0 for g in self.groups):
             return ["state1"]
         return []
 
@@ -96,7 +135,7 @@ class UpdateRule:
             s.state1 = torch.zeros_like(s.master)
             s.state2 = torch.zeros_like(s.master)
         elif self.kind == "sgd":
-            if any(float(g.get("momentum", 0.0)) != 0.0 for g in self.groups):
+            if any(self._momentum(g) != 0.0 for g in self.groups):
                 s.state1 = torch.zeros_like(s.master)
         else:
             self._generic_init(s)
@@ -180,7 +219,7 @@ class UpdateRule:
             scratch = s.scratch_buf()[a:z] if p is not None and p.codec == "topk" else None
             dc = {"dc_lambda": float(dc_lambda), "dc_held": dc_held[a:z]} if dc_held is not None else {}
             if self.kind == "sgd":
-                momentum = float(grp.get("momentum", 0.0))
+                momentum = self._momentum(grp)
                 if momentum != 0.0 and s.state1 is None:
                     s.state1 = torch.zeros_like(s.master)
                 used, f = momentum, 1.0
@@ -189,6 +228,8 @@ class UpdateRule:
                     f = (1.0 - used) / (1.0 - momentum)  # a gradient's displacement: f / (1 - used)
                 used = max(0.0, used - momentum_shift) if momentum_shift else used
                 wd = float(grp.get("weight_decay", 0.0)) * (f / round_of if round_of > 1 else 1.0)
+                if self.worker_momentum:  # the decay a momentum buffer would carry: wd / (1 - mu)
+                    wd /= 1.0 - float(grp.get("momentum", 0.0))
                 ops_apply.sgd_apply(
                     s.master[a:z],
                     payload=p,
