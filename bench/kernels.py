@@ -288,6 +288,48 @@ def case_encode(ctx: Ctx, codec: str) -> Case:
     )
 
 
+def case_encode_dgc(ctx: Ctx) -> Case:
+    """Momentum-corrected top-k, one worker step: the velocity kernel, then the top-k encode that masks
+    the sent velocity (TopK under SGD momentum), against pyasync.reference.topk.dgc_encode."""
+    from pyasync.ops import codecs as ops
+    from pyasync.reference import topk as ref
+
+    n, dev, mu = ctx.n, ctx.device, 0.9
+    k = _topk_k(ctx)
+    grad = ctx.randn(n, 3)
+    u0 = ctx.randn(n, 5)
+    residual0 = ctx.randn(n, 4, scale=0.1)
+    pbytes, pformula = _payload_model("topk", ctx, k)
+
+    def pyasync() -> Candidate:
+        u, u_new, r, r_new = u0.clone(), torch.empty_like(u0), residual0.clone(), torch.empty_like(residual0)
+        p = ops.empty_payload("topk", n, device=dev, k=k)
+        flag = ctx.flag()
+
+        def fn() -> None:
+            x = ops.dgc_velocity(grad, u, u_new, momentum=mu)
+            ops.encode("topk", x, residual_in=r, residual_out=r_new, k=k, out=p, nonfinite=flag,
+                       mask_out=u_new)
+
+        return Candidate(fn, lambda: [*_payload_tensors(p), u_new, r_new])
+
+    def reference(f: Callable) -> Candidate:
+        st: dict[str, Any] = {}
+
+        def fn() -> None:
+            st["p"], st["u"], st["r"] = f(grad, u0, residual0, k, mu)
+
+        return Candidate(fn, lambda: [*_payload_tensors(st["p"]), st["u"], st["r"]])
+
+    return Case(
+        "encode:topk+dgc", "encode", pyasync, reference, ref.dgc_encode, 24 * n + pbytes,
+        f"velocity: read 4n grad + 4n u, write 4n u; encode: read 4n u + 4n residual, write 4n residual "
+        f"+ payload {pformula} (+ the masked velocity, O(k))",
+        exact=True,
+        extra={"codec": "topk", "payload_bytes": pbytes, "k": k, "momentum": mu},
+    )
+
+
 def _encoded(ctx: Ctx, codec: str, k: int, salt: int):
     """A payload of ctx.n elements, encoded by pyasync from a random gradient."""
     from pyasync.ops import codecs as ops
@@ -413,6 +455,7 @@ def all_cases() -> list[tuple[str, Callable[[Ctx], Case]]]:
         ("unflatten", case_unflatten),
     ]
     cases += [(f"encode:{c}", lambda ctx, c=c: case_encode(ctx, c)) for c in CODECS]
+    cases += [("encode:topk+dgc", case_encode_dgc)]
     cases += [(f"decode:{c}", lambda ctx, c=c: case_decode(ctx, c)) for c in CODECS]
     cases += [(f"apply:{o}:{c}", lambda ctx, o=o, c=c: case_apply(ctx, o, c)) for o in OPTIMS for c in CODECS]
     return cases
