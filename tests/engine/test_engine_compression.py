@@ -25,23 +25,29 @@ def _grad(w: int, t: int) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(1000 * w + t))
 
 
-def _compression_suite(rank, world):
+def _train(rank: int, policy: str, comp: str | None, momentum: float):
+    """T steps of worker ``rank`` on its known gradients, then close(); returns (parameter, optimizer)."""
     import pyasync
 
+    p = torch.nn.Parameter(torch.zeros(SIZE))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=LR, momentum=momentum),
+        policy=policy,
+        compression=comp,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    for t in range(T):
+        opt.zero_grad()
+        (_grad(rank, t) * p).sum().backward()
+        opt.step()
+    opt.close()
+    return p, opt
+
+
+def _compression_suite(rank, world):
     out = {}
     for policy, comp in CASES:
-        p = torch.nn.Parameter(torch.zeros(SIZE))
-        opt = pyasync.DistributedOptimizer(
-            torch.optim.SGD([p], lr=LR),
-            policy=policy,
-            compression=comp,
-            timeout=datetime.timedelta(seconds=30),
-        )
-        for t in range(T):
-            opt.zero_grad()
-            (_grad(rank, t) * p).sum().backward()
-            opt.step()
-        opt.close()
+        p, opt = _train(rank, policy, comp, momentum=0.0)
         lay = opt.bucket_layouts[0]
         res = torch.zeros(SIZE)
         for r, sh in enumerate(lay.shards):
@@ -83,22 +89,9 @@ MU = 0.9
 
 
 def _dgc_suite(rank, world):
-    import pyasync
-
     out = {}
     for policy, comp in DGC_CASES:
-        p = torch.nn.Parameter(torch.zeros(SIZE))
-        opt = pyasync.DistributedOptimizer(
-            torch.optim.SGD([p], lr=LR, momentum=MU),
-            policy=policy,
-            compression=comp,
-            timeout=datetime.timedelta(seconds=30),
-        )
-        for t in range(T):
-            opt.zero_grad()
-            (_grad(rank, t) * p).sum().backward()
-            opt.step()
-        opt.close()
+        p, opt = _train(rank, policy, comp, momentum=MU)
         out[(policy, comp)] = {
             "final": p.detach().clone(),
             "shards": [(sh.begin, sh.end) for sh in opt.bucket_layouts[0].shards],
