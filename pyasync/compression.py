@@ -63,6 +63,9 @@ class Compressor:
 
     name: str = "none"
     lossy: bool = True
+    # The workers' momentum under top-k's momentum correction (TopK.bind_momentum); None: the owners
+    # take the optimizer's momentum, and the compressor keeps no velocities.
+    momentum: float | None = None
 
     def __init__(self, error_feedback: bool = True, replies: bool = True) -> None:
         if type(self) is Compressor:
@@ -197,21 +200,7 @@ class Compressor:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _slot(self, key: Hashable, flat: torch.Tensor) -> list[torch.Tensor]:
-        slot = self._residuals.get(key)
-        n = flat.numel()
-        if slot is None:
-            slot = [torch.zeros(n, dtype=torch.float32, device=flat.device),
-                    torch.empty(n, dtype=torch.float32, device=flat.device)]
-            self._residuals[key] = slot
-        elif slot[0].numel() != n:
-            raise ValueError(
-                f"error-feedback slot {key!r} holds {slot[0].numel()} elements but the tensor has {n}: use a "
-                "distinct key per tensor slice, or reset() the compressor when the model changes"
-            )
-        elif slot[0].device != flat.device:  # e.g. loaded from a CPU checkpoint, now training on a GPU
-            slot = [slot[0].to(flat.device), torch.empty(n, dtype=torch.float32, device=flat.device)]
-            self._residuals[key] = slot
-        return slot
+        return _slot_in(self._residuals, key, flat, "error-feedback")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}<{self.spec()}>"
@@ -306,8 +295,7 @@ class TopK(Compressor):
                 f"mask must be 'auto', True or False (factor masking of top-k's velocity), got {mask!r}")
         self.mask = mask if mask == "auto" else bool(mask)  # factor masking (dgc only): bind_momentum
         self.masking = False  # what "auto" resolved to once bound
-        # The momentum of the workers' velocity step once bound (bind_momentum); None: no correction.
-        self.momentum: float | None = None
+        self.momentum = None  # bound by bind_momentum
         self.nesterov = False
         self._source: Callable[[], float] | None = None
         self._velocities: dict[Hashable, list[torch.Tensor]] = {}  # key -> [current, spare], as residuals
@@ -350,7 +338,7 @@ class TopK(Compressor):
     def _encode_with_residual(self, flat, cur, spare, key, out, kwargs) -> Payload:
         if self.momentum is None:
             return _codecs.encode(self.name, flat, residual_in=cur, residual_out=spare, out=out, **kwargs)
-        u_cur, u_new = self._velocity_slot(key, flat)
+        u_cur, u_new = _slot_in(self._velocities, key, flat, "velocity")
         x_buf = torch.empty_like(flat) if self.nesterov else None
         mu = self.momentum if self._source is None else self._source()
         x = _codecs.dgc_velocity(flat, u_cur, u_new, momentum=mu, nesterov=self.nesterov, x_out=x_buf)
@@ -385,19 +373,6 @@ class TopK(Compressor):
         self._velocities.clear()
         super().reset()
 
-    def _velocity_slot(self, key: Hashable, flat: torch.Tensor) -> list[torch.Tensor]:
-        slot = self._velocities.get(key)
-        n = flat.numel()
-        if slot is None or slot[0].numel() != n:
-            slot = [torch.zeros(n, dtype=torch.float32, device=flat.device),
-                    torch.empty(n, dtype=torch.float32, device=flat.device)]
-            self._velocities[key] = slot
-        elif slot[0].device != flat.device:
-            slot = [slot[0].to(flat.device), torch.empty(n, dtype=torch.float32, device=flat.device)]
-            self._velocities[key] = slot
-        return slot
-
-
 _CLASSES: dict[str, type] = {"none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "sign": Sign,
                              "topk": TopK}
 _SHORT_ARG = {"int8": "block", "sign": "block", "topk": "ratio"}  # the X of "name:X"
@@ -410,6 +385,26 @@ _SPEC_HELP = (
     "('replies=0': exact fp32 replies, only the pushes compressed; 'dgc=0|1' for topk: momentum "
     "correction off or required)"
 )
+
+
+def _slot_in(slots: dict, key: Hashable, flat: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """The double-buffered slot ([current, spare]) of ``key`` for ``flat``: zeros on first use, moved to
+    flat's device when it was loaded elsewhere; a different element count is an error."""
+    slot = slots.get(key)
+    n = flat.numel()
+    if slot is None:
+        slot = [torch.zeros(n, dtype=torch.float32, device=flat.device),
+                torch.empty(n, dtype=torch.float32, device=flat.device)]
+        slots[key] = slot
+    elif slot[0].numel() != n:
+        raise ValueError(
+            f"{what} slot {key!r} holds {slot[0].numel()} elements but the tensor has {n}: use a "
+            "distinct key per tensor slice, or reset() the compressor when the model changes"
+        )
+    elif slot[0].device != flat.device:  # e.g. loaded from a CPU checkpoint, now training on a GPU
+        slot = [slot[0].to(flat.device), torch.empty(n, dtype=torch.float32, device=flat.device)]
+        slots[key] = slot
+    return slot
 
 
 def _load_slots(state_dict: object, what: str) -> dict[Hashable, list[torch.Tensor]]:

@@ -499,7 +499,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "residuals": comp.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
-        if getattr(comp, "momentum", None) is not None:  # momentum-corrected top-k: the workers' velocities
+        if comp.momentum is not None:  # momentum-corrected top-k: the workers' velocities
             sd["velocities"] = comp.velocity_state_dict()
         return sd
 
@@ -521,7 +521,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"state_dict holds shards of buckets {sorted(shards)}, this rank owns {sorted(owned)}"
             )
         comp = self._setup.compressor
-        corrected = getattr(comp, "momentum", None) is not None
+        corrected = comp.momentum is not None
         if state_dict.get("velocities") and not corrected:
             raise ValueError(f"state_dict holds top-k velocities but compression={comp.spec()!r} keeps none")
 

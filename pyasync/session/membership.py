@@ -374,7 +374,7 @@ def change_epoch(epoch: Epoch, setup: Setup) -> tuple[Epoch, EpochChange]:
     elif gone.keys:
         reinit.append(f"optimizer state of the shards of ranks {lost} (re-initialized: no checkpoint)")
     if setup.compressor.error_feedback:
-        corrected = getattr(setup.compressor, "momentum", None) is not None  # TopK's velocities too
+        corrected = setup.compressor.momentum is not None  # TopK's velocities too
         setup.compressor.reset()
         reinit.append("error-feedback residuals" + (" and top-k velocities" if corrected else "")
                       + " of every worker (reset)")
