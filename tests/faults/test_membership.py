@@ -100,15 +100,16 @@ def test_survivors_finish_with_an_exact_ledger(policy, victim, where, codec):
 MOMENTUM_STEPS = 60
 
 
-def _quadratic(rank: int, world: int, policy: str, victim: int, kill_at: int):
+def _quadratic(rank: int, world: int, policy: str, victim: int, kill_at: int, codec=None, lr: float = 0.1):
     """SGD at momentum 0.9 on 0.5 * |p - 2|^2 on every rank, under a policy's defaults (look-ahead replies,
     moments per round, spike clipping); the victim is SIGKILLed inside step(). The same optimum on every
     rank: under ASP the point where workers with different optima meet depends on who pushed last, which
     the machine's load decides."""
     p = torch.nn.Parameter(torch.zeros(300))
     opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD([p], lr=0.1, momentum=0.9),
+        torch.optim.SGD([p], lr=lr, momentum=0.9),
         policy=policy,
+        compression=codec,
         timeout=TIMEOUT,
         elastic=True,
         bucket_cap_mb=128 * 4 / 2**20,  # several buckets: several shards per owner rank
@@ -125,13 +126,20 @@ def _quadratic(rank: int, world: int, policy: str, victim: int, kill_at: int):
 
 
 @multiproc
-@pytest.mark.parametrize("policy", ["asp", "ssp:2"])
-def test_a_death_under_momentum_with_the_look_ahead_on(policy):
+@pytest.mark.parametrize(
+    ("policy", "codec"), [("asp", None), ("ssp:2", None), ("asp", "topk:0.05"), ("bsp:p2p", "topk:0.05")]
+)
+def test_a_death_under_momentum_with_the_look_ahead_on(policy, codec):
     """The defaults of ASP and SSP answer with look-ahead values (Note [Look-ahead replies]), which the
     dead owner's shards are then rebuilt from: the survivors finish with equal, finite replicas that
-    still converge to the optimum."""
+    still converge to the optimum. With top-k the momentum lives in the workers' velocities
+    (Note [Momentum correction for top-k]), which the epoch change resets with the residuals; top-k runs
+    at lr 0.01: at 0.1 (lr / (1 - momentum) = 1 / curvature, the edge of stability) error feedback's
+    late delivery diverges with momentum, corrected (|p - 2| ~ 1e3) or not (~ 4e2), without a death.
+    At 0.01 the correction converges (0.04 in a one-process model) where uncorrected top-k does not (0.8)."""
     victim = 2
-    res = run_workers(_quadratic, WORLD, args=(policy, victim, 9), timeout=150, may_die=(victim,))
+    lr = 0.1 if codec is None else 0.01
+    res = run_workers(_quadratic, WORLD, args=(policy, victim, 9, codec, lr), timeout=150, may_die=(victim,))
     assert res[victim] is None
     live = [r for r in range(WORLD) if r != victim]
     for r in live:
@@ -139,7 +147,11 @@ def test_a_death_under_momentum_with_the_look_ahead_on(policy):
         torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
     p = res[live[0]]["p"]
     assert torch.isfinite(p).all()
-    assert float((p - 2.0).abs().max()) < 0.2, (float(p.min()), float(p.max()))  # from 0, 2 away
+    # From 0, 2 away. Top-k moves slowly here (each element is sent about every 20 steps, then the reset
+    # at the death drops every velocity and residual): measured 1.91-2.83 after 60 steps, so its bound is
+    # "most of the way, and not diverging" (a diverging run ends hundreds away).
+    bound = 0.2 if codec is None else 1.0
+    assert float((p - 2.0).abs().max()) < bound, (float(p.min()), float(p.max()))
 
 
 def _train_external_store(rank: int, world: int, victim: int):
