@@ -148,7 +148,7 @@ def test_a_death_under_momentum_with_the_look_ahead_on(policy, codec):
     p = res[live[0]]["p"]
     assert torch.isfinite(p).all()
     # From 0, 2 away. Top-k moves slowly here (each element is sent about every 20 steps, then the reset
-    # at the death drops every velocity and residual): measured 1.91-2.83 after 60 steps, so its bound is
+    # at the death drops every velocity and residual): p measured at 1.91-2.83 after 60 steps, so its bound is
     # "most of the way, and not diverging" (a diverging run ends hundreds away).
     bound = 0.2 if codec is None else 1.0
     assert float((p - 2.0).abs().max()) < bound, (float(p.min()), float(p.max()))
