@@ -13,8 +13,9 @@ from pyasync import compression
 from pyasync.checkpoint import CheckpointChanged, CheckpointError, load_checkpoint, save_checkpoint
 from pyasync.engine.core.stats import Stats
 from pyasync.errors import DivergedError, NonFiniteGradientError, PeerFailure
+from pyasync.optim import DelayedNesterov
 from pyasync.optimizer import DistributedOptimizer
-from pyasync.policy import ASP, BSP, SSP, Policy, Quorum, parse_policy
+from pyasync.policy import ASP, BSP, SSP, Local, Policy, Quorum, parse_policy
 
 __all__ = [
     "ASP",
@@ -22,8 +23,10 @@ __all__ = [
     "SSP",
     "CheckpointChanged",
     "CheckpointError",
+    "DelayedNesterov",
     "DistributedOptimizer",
     "DivergedError",
+    "Local",
     "NonFiniteGradientError",
     "PeerFailure",
     "Policy",

@@ -84,7 +84,9 @@ def check_elastic(elastic, policy, max_grad_norm, optimizer, transport=None) -> 
             f"elastic=True with max_grad_norm under {policy.spec()} is not supported: clipping the mean "
             "gradient is a collective of every rank; clip each push instead (SSP, ASP or Quorum)"
         )
-    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+    from pyasync.optim import DelayedNesterov
+
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, DelayedNesterov):
         raise ValueError(
             f"elastic=True re-shards the optimizer state, which needs SGD, Adam or AdamW (fused rules), "
             f"got {type(optimizer).__name__}"

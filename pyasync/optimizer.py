@@ -35,7 +35,8 @@ from pyasync.engine.collective.engine import CollectiveEngine
 from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.stats import Stats
 from pyasync.engine.p2p.engine import Engine
-from pyasync.policy import Policy, parse_policy
+from pyasync.local import LocalSteps, outer_optimizer
+from pyasync.policy import Local, Policy, parse_policy
 from pyasync.session.bootstrap import handshake, tell_peers
 from pyasync.session.epoch import Epoch, Setup, abandon, release_control, start_epoch, stop_engine
 from pyasync.session.meet import collective_failure, global_ranks
@@ -74,8 +75,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: any torch.optim optimizer (SGD, Adam and AdamW use fused kernels; others run a
             private instance of their class on each owned shard). Its param_groups are shared.
-        policy: BSP() (default), SSP(s), ASP(), Quorum(k), or a string "bsp", "asp", "ssp:2",
-            "quorum:3" (see pyasync.policy).
+        policy: BSP() (default), SSP(s), ASP(), Quorum(k), Local(H) (local steps, pyasync/local.py), or a
+            string "bsp", "asp", "ssp:2", "quorum:3", "local:16", "local:16:async" (see pyasync.policy).
         compression: a pyasync.compression Compressor, None (no compression) or a spec string
             ("int8", "topk:0.01", ...).
         bucket_cap_mb: bucket size cap in MiB (2**20 bytes) of parameter data.
@@ -149,8 +150,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket_cap_mb, timeout, num_appliers, on_nonfinite, transport, process_group, max_grad_norm
             )
             clip = None if max_grad_norm is None else float(max_grad_norm)
-            grad_edits = check_grad_edits(grad_edits, policy, max_grad_norm)
-            elastic = check_elastic(elastic, policy, max_grad_norm, optimizer, transport)
+            # Local steps: the engine runs the outer policy and optimizer (Note [Local steps], local.py)
+            local = policy if isinstance(policy, Local) else None
+            outer = local.outer(elastic is True) if local else policy
+            rule_optimizer = outer_optimizer(local, optimizer.param_groups) if local else optimizer
+            engine_clip = None if local else clip
+            grad_edits = check_grad_edits(grad_edits, outer, engine_clip)
+            elastic = check_elastic(elastic, outer, engine_clip, rule_optimizer, transport)
             self._epochs: list[EpochChange] = []  # every membership change (session/membership.py)
             self._epoch_failure: BaseException | None = None  # a membership change that failed (raised)
             rank = dist.get_rank(process_group)
@@ -158,23 +164,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("this rank is not a member of process_group")
             world = dist.get_world_size(process_group)
             members = global_ranks(process_group)
-            policy.validate(world)
+            outer.validate(world)
 
             # Shared with the wrapped optimizer (lr schedulers work on either).
             self.optimizer = optimizer
             self.defaults = optimizer.defaults
             self.param_groups = optimizer.param_groups
             self.state = optimizer.state
-            self._optimizer_step_pre_hooks: dict = OrderedDict()
-            self._optimizer_step_post_hooks: dict = OrderedDict()
-            self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
-            self._optimizer_state_dict_post_hooks: dict = OrderedDict()
-            self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
-            self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+            self._init_hooks()
 
             params, groups, names = trainable_params(self.param_groups, named_parameters)
             assign = assign_buckets(params, bucket_cap_mb)
-            rule = UpdateRule(optimizer)
+            rule = UpdateRule(rule_optimizer)
             rule.bind_worker_momentum(comp)
             self._setup = Setup(
                 params=params,
@@ -188,12 +189,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 factory=transport,
                 on_nonfinite=on_nonfinite,
                 num_appliers=num_appliers,
-                max_grad_norm=clip,
+                max_grad_norm=engine_clip,
                 grad_edits=grad_edits,
                 elastic=elastic,
             )
             layouts = self._setup.layouts(world)
-            check_clipping_owners(max_grad_norm, policy, world, layouts)
+            check_clipping_owners(engine_clip, outer, world, layouts)
         except Exception as e:
             tell_peers(process_group, timeout, e)
             raise
@@ -211,13 +212,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             members=members,
             rank=rank,
             layouts=layouts,
-            policy=policy,
+            policy=outer,
             clock0=0,
             key=key,
             transport=tp,
         )
         self._guard()
+        #: Local steps' worker side (pyasync/local.py), None under every other policy.
+        self.local_steps = LocalSteps(local, self._setup.params, clip) if local else None
+        self._unhook()
         _WRAPPERS[optimizer] = weakref.ref(self)
+
+    def _init_hooks(self) -> None:
+        """The hook registries torch.optim.Optimizer's own __init__ would make (it is not called)."""
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+
+    def _unhook(self) -> None:
+        """Local steps: the engine reads ``.grad`` only at the outer steps (Note [Local steps]), so the
+        current epoch's engine keeps no backward hooks."""
+        if self.local_steps is not None:
+            self._epoch.engine.capture.remove()
 
     def _guard(self) -> None:
         """A rank that exits without close(): stop the current epoch's threads, so peers see it leave (a
@@ -241,10 +260,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._follow_membership()
-        self.engine.step(
-            grad_scale=None if grad_scale is None else float(grad_scale),
-            found_inf=found_inf is not None and float(found_inf) > 0,
-        )
+        scale = None if grad_scale is None else float(grad_scale)
+        inf = found_inf is not None and float(found_inf) > 0
+        if self.local_steps is None:
+            self.engine.step(grad_scale=scale, found_inf=inf)
+        elif self.local_steps.inner_step(self.optimizer, scale, inf):
+            self.local_steps.outer_step(lambda: self.engine.step())
         self._follow_membership()
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
@@ -271,6 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._finalizer.detach()
         self._epoch = nxt
         self._guard()
+        self._unhook()
         release_control(old)  # the old epoch's own group (its engine has stopped)
         self._epochs.append(change)
 
@@ -293,7 +315,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- pyasync ------------------------------------------------------------------------------------
     @property
     def policy(self) -> Policy:
-        return self._epoch.policy
+        """The policy (under local steps the Local one; the engine runs ``Local.outer()``)."""
+        return self.local_steps.policy if self.local_steps is not None else self._epoch.policy
 
     @property
     def compressor(self):
@@ -485,6 +508,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's shard: master values, optimizer state, residuals and clocks (tensors only, plus
         plain numbers and strings), for pyasync's checkpoints. Call between steps."""
+        if self.local_steps is not None:
+            raise NotImplementedError(
+                f"state_dict() under local steps (policy {self.policy.spec()!r}) is not supported yet; "
+                "see pyasync.save_checkpoint's message"
+            )
         eng = self.engine
         ep, comp = self._epoch, self._setup.compressor
         shards = eng.shards.snapshot()
@@ -536,6 +564,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"DistributedOptimizer({type(self.optimizer).__name__}, policy={self._epoch.policy.spec()!r}, "
+            f"DistributedOptimizer({type(self.optimizer).__name__}, policy={self.policy.spec()!r}, "
             f"compression={self._setup.compressor.spec()!r}, rank={self._epoch.rank}/{self._epoch.world})"
         )

@@ -1,4 +1,4 @@
-"""Consistency policies: BSP, SSP(s), ASP and Quorum(k). Pure decision logic, no I/O.
+"""Consistency policies: BSP, SSP(s), ASP, Quorum(k) and Local(H) (local steps). Pure decision logic, no I/O.
 
 Vocabulary (see docs/architecture.md):
 
@@ -35,7 +35,7 @@ from typing import Union
 from pyasync._validate import check_int
 from pyasync.engine.core.round import AggregateRound, PushRound, Round
 
-__all__ = ["ASP", "BSP", "SSP", "Policy", "Quorum", "parse_policy"]
+__all__ = ["ASP", "BSP", "SSP", "Local", "Policy", "Quorum", "parse_policy"]
 
 _LR_SCALES = (None, "inverse", "delay", "round")
 #: The spike clip's factor under ``clip="auto"`` where the optimizer keeps moments (Note [Spike clipping]).
@@ -435,6 +435,69 @@ class Quorum(_Aggregate):
         return push_version < current_version
 
 
+_LOCAL_MODES = ("sync", "quorum", "async")
+
+
+@dataclass(frozen=True)
+class Local(Policy):
+    """Local steps (Local SGD, DiLoCo): every worker takes ``steps`` (H) steps of the user's optimizer on
+    its own replica, then pushes its change since the last sync (a pseudo-gradient) and installs the
+    new global values. The owners run an outer optimizer on their shards: Nesterov SGD at ``outer_lr``
+    and ``outer_momentum`` (0.7 and 0.9, as DiLoCo). How the pushes of an outer step meet is
+    ``mode``'s: "sync" (every worker, as BSP; ``local:H``), "quorum" (the first ``k`` workers' changes,
+    as Quorum(k), later ones dropped; ``local:H:quorum:K``) or "async" (each change applied on arrival
+    with the delayed Nesterov outer step, Note [Delayed Nesterov]; ``local:H:async``). The worker side
+    is pyasync/local.py (Note [Local steps]); the round machine is the outer policy's (:meth:`outer`)."""
+
+    steps: int = 16
+    mode: str = "sync"
+    k: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        check_int("Local steps", self.steps, lo=1)
+        if self.mode not in _LOCAL_MODES:
+            raise ValueError(f"Local mode must be one of {_LOCAL_MODES}, got {self.mode!r}")
+        if self.mode == "quorum":
+            check_int("Local quorum k", self.k, lo=1)
+        elif self.k != 0:
+            raise ValueError(
+                f"Local k (the quorum) is only for mode='quorum', got k={self.k} with mode={self.mode!r}"
+            )
+        for name in ("outer_lr", "outer_momentum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"Local {name} must be a finite number >= 0, got {v!r}")
+        if self.outer_momentum >= 1:
+            raise ValueError(f"Local outer_momentum must be < 1, got {self.outer_momentum!r}")
+
+    def outer(self, elastic: bool = False) -> Policy:
+        """The policy the outer steps' pushes follow: BSP (on collectives; point-to-point when
+        ``elastic``), Quorum(k) with late changes dropped, or ASP with the owners' answers awaited and
+        no look-ahead or clip (the delayed Nesterov step is the correction)."""
+        if self.mode == "sync":
+            return BSP(p2p=elastic)
+        if self.mode == "quorum":
+            return Quorum(self.k)
+        return ASP(lookahead=0, clip=0.0, round_moments=True, max_unanswered=0)
+
+    def spec(self) -> str:
+        out = f"local:{self.steps}"
+        out += f":quorum:{self.k}" if self.mode == "quorum" else ":async" if self.mode == "async" else ""
+        out += f":lr={self.outer_lr:g}" if self.outer_lr != 0.7 else ""
+        return out + (f":momentum={self.outer_momentum:g}" if self.outer_momentum != 0.9 else "")
+
+    def validate(self, world_size: int) -> None:
+        self.outer().validate(world_size)
+
+    def round(self, world_size: int, n_segments: int, name: Hashable = 0, gated: bool = False) -> Round:
+        return self.outer().round(world_size, n_segments, name, gated)
+
+    def divisor(self, world_size: int) -> int:
+        return self.outer().divisor(world_size)
+
+
 PolicyLike = Union[Policy, str, None]  # noqa: UP007 - a runtime alias, kept readable on 3.10
 
 
@@ -457,6 +520,8 @@ def parse_policy(x: PolicyLike) -> Policy:
     try:
         if name in ("asp", "ssp"):
             return _parse_per_push(name, args, opts)
+        if name == "local":
+            return _parse_local(args, opts)
         if opts:
             raise ValueError(f"{name} takes no key=value options")
         if name == "bsp" and not args:
@@ -472,8 +537,28 @@ def parse_policy(x: PolicyLike) -> Policy:
         "'quorum:<k>:fold'; asp and ssp take an lr scale ('asp:inverse', 'ssp:2:delay') and options "
         "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
         "'lookahead=auto|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
-        "'patience=auto|<seconds>|inf'"
+        "'patience=auto|<seconds>|inf'; local steps: 'local:<H>', 'local:<H>:quorum:<k>', 'local:<H>:async', "
+        "with options 'lr=<outer lr>' and 'momentum=<outer momentum>'"
     )
+
+
+def _parse_local(args: list[str], opts: dict[str, str]) -> Policy:
+    """Local(...) from "local:H", "local:H:quorum:K", "local:H:async" and lr= / momentum= options."""
+    bad = sorted(set(opts) - {"lr", "momentum"})
+    if bad:
+        raise ValueError(f"unknown option(s) {bad} for local; it takes ['lr', 'momentum']")
+    kw: dict = {}
+    if "lr" in opts:
+        kw["outer_lr"] = float(opts["lr"])
+    if "momentum" in opts:
+        kw["outer_momentum"] = float(opts["momentum"])
+    if len(args) == 1:
+        return Local(int(args[0]), **kw)
+    if len(args) == 2 and args[1] == "async":
+        return Local(int(args[0]), mode="async", **kw)
+    if len(args) == 3 and args[1] == "quorum":
+        return Local(int(args[0]), mode="quorum", k=int(args[2]), **kw)
+    raise ValueError("local takes its number of steps, then nothing, 'async' or 'quorum:<k>'")
 
 
 def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:

@@ -173,6 +173,22 @@ void step_adam(const OptimParams& o_in, const float* __restrict g, float* __rest
   }
 }
 
+// Delayed Nesterov (Note [Delayed Nesterov]): state1 the momentum, state2 the round's accumulator; the
+// round flag becomes a template constant so that neither loop branches per element.
+template <bool kClose>
+void step_delayed_nesterov(const OptimParams& o_in, const float* __restrict g, float* __restrict p,
+                           float* __restrict s1, float* __restrict s2, int64_t m) {
+  OptimParams o = o_in;
+  o.close_round = kClose;
+  for (int64_t j = 0; j < m; ++j) {
+    float pj = p[j], mj = s1[j], aj = s2[j];
+    math::delayed_nesterov_step(o, g[j], pj, mj, aj);
+    p[j] = pj;
+    s1[j] = mj;
+    s2[j] = aj;
+  }
+}
+
 template <Codec C>
 GatherFn pick_gather(bool payload, bool dense) {
   if (!payload) return &gather<C, false, true>;
@@ -187,6 +203,9 @@ GatherFn gather_for(const ApplyParams& p) {
 }
 
 StepFn step_for(const OptimParams& o) {
+  if (o.kind == OptimKind::kDelayedNesterov) {
+    return o.close_round ? &step_delayed_nesterov<true> : &step_delayed_nesterov<false>;
+  }
   if (o.kind == OptimKind::kAdam) {
     if (o.maximize) return o.decoupled_weight_decay ? &step_adam<true, true> : &step_adam<true, false>;
     return o.decoupled_weight_decay ? &step_adam<false, true> : &step_adam<false, false>;
@@ -203,8 +222,9 @@ void check(const ApplyParams& p) {
     PYASYNC_CHECK_ARG(g.block > 0, "apply: int8/sign payload needs block > 0");
     PYASYNC_CHECK_ARG(g.scales != nullptr || g.n == 0, "apply: int8/sign payload needs scales");
   }
-  if (p.opt.kind == OptimKind::kAdam) {
-    PYASYNC_CHECK_ARG((p.state1 != nullptr && p.state2 != nullptr) || g.n == 0, "apply: Adam needs state1 and state2");
+  if (p.opt.kind == OptimKind::kAdam || p.opt.kind == OptimKind::kDelayedNesterov) {
+    PYASYNC_CHECK_ARG((p.state1 != nullptr && p.state2 != nullptr) || g.n == 0,
+                      "apply: Adam and delayed Nesterov need state1 and state2");
   } else if (p.opt.momentum != 0.0f) {
     PYASYNC_CHECK_ARG(p.state1 != nullptr || g.n == 0, "apply: SGD with momentum needs a momentum buffer");
   }

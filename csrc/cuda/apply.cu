@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
     float4 pv = reinterpret_cast<float4*>(p.param)[v];
     float4 s1 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), s2 = s1;
     if (has_s1) s1 = reinterpret_cast<float4*>(p.state1)[v];
-    if constexpr (K == OptimKind::kAdam) s2 = reinterpret_cast<float4*>(p.state2)[v];
+    if constexpr (K != OptimKind::kSGD) s2 = reinterpret_cast<float4*>(p.state2)[v];
     float pa[kVec] = {pv.x, pv.y, pv.z, pv.w};
     float ma[kVec] = {s1.x, s1.y, s1.z, s1.w};
     float va[kVec] = {s2.x, s2.y, s2.z, s2.w};
@@ -150,13 +150,15 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
     for (int j = 0; j < kVec; ++j) {
       if constexpr (K == OptimKind::kAdam) {
         math::adam_step(p.opt, g[j], pa[j], ma[j], va[j]);
+      } else if constexpr (K == OptimKind::kDelayedNesterov) {
+        math::delayed_nesterov_step(p.opt, g[j], pa[j], ma[j], va[j]);
       } else {
         math::sgd_step(p.opt, g[j], pa[j], &ma[j]);
       }
     }
     reinterpret_cast<float4*>(p.param)[v] = make_float4(pa[0], pa[1], pa[2], pa[3]);
     if (has_s1) reinterpret_cast<float4*>(p.state1)[v] = make_float4(ma[0], ma[1], ma[2], ma[3]);
-    if constexpr (K == OptimKind::kAdam) reinterpret_cast<float4*>(p.state2)[v] = make_float4(va[0], va[1], va[2], va[3]);
+    if constexpr (K != OptimKind::kSGD) reinterpret_cast<float4*>(p.state2)[v] = make_float4(va[0], va[1], va[2], va[3]);
   }
 
   for (int64_t i = nvec * kVec + tid; i < n; i += stride) {
@@ -169,9 +171,12 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const ApplyParams p, in
     float pi = p.param[i];
     if constexpr (kDC) g = math::dc_compensate(g, p.dc_lambda, pi, __ldg(p.dc_held + i));
     float m = has_s1 ? p.state1[i] : 0.0f;
-    float vv = K == OptimKind::kAdam ? p.state2[i] : 0.0f;
+    float vv = K != OptimKind::kSGD ? p.state2[i] : 0.0f;
     if constexpr (K == OptimKind::kAdam) {
       math::adam_step(p.opt, g, pi, m, vv);
+      p.state2[i] = vv;
+    } else if constexpr (K == OptimKind::kDelayedNesterov) {
+      math::delayed_nesterov_step(p.opt, g, pi, m, vv);
       p.state2[i] = vv;
     } else {
       math::sgd_step(p.opt, g, pi, &m);
@@ -187,6 +192,8 @@ template <Codec C, bool kDC>
 void launch_for_optimizer(const ApplyParams& p, int64_t nvec, int blocks, cudaStream_t stream) {
   if (p.opt.kind == OptimKind::kAdam) {
     apply_kernel<C, OptimKind::kAdam, kDC><<<blocks, kThreads, 0, stream>>>(p, nvec);
+  } else if (p.opt.kind == OptimKind::kDelayedNesterov) {
+    apply_kernel<C, OptimKind::kDelayedNesterov, kDC><<<blocks, kThreads, 0, stream>>>(p, nvec);
   } else {
     apply_kernel<C, OptimKind::kSGD, kDC><<<blocks, kThreads, 0, stream>>>(p, nvec);
   }
@@ -219,8 +226,9 @@ void apply_cuda(const ApplyParams& p, StreamHandle stream) {
   PYASYNC_CHECK_ARG(g.codes != nullptr || p.dense != nullptr, "apply: needs a payload, a dense gradient or both");
   if (g.codes != nullptr && blockwise(g.codec))
     PYASYNC_CHECK_ARG(g.block > 0 && g.scales != nullptr, "apply: int8/sign payload needs block > 0 and scales");
-  if (p.opt.kind == OptimKind::kAdam)
-    PYASYNC_CHECK_ARG(p.state1 != nullptr && p.state2 != nullptr, "apply: Adam needs state1 and state2");
+  if (p.opt.kind == OptimKind::kAdam || p.opt.kind == OptimKind::kDelayedNesterov)
+    PYASYNC_CHECK_ARG(p.state1 != nullptr && p.state2 != nullptr,
+                      "apply: Adam and delayed Nesterov need state1 and state2");
   else if (p.opt.momentum != 0.0f)
     PYASYNC_CHECK_ARG(p.state1 != nullptr, "apply: SGD with momentum needs a momentum buffer");
   PYASYNC_CHECK_ARG(std::isfinite(p.dc_lambda) && p.dc_lambda >= 0.0f, "apply: dc_lambda must be finite and >= 0");

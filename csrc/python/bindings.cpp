@@ -107,8 +107,11 @@ pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_
   pyasync::Payload g = make_payload(codec, codes, scales, 0, n, 0, block);
   pyasync::OptimParams o{};
   const std::string kind = opt["kind"].cast<std::string>();
-  PYASYNC_CHECK_ARG(kind == "sgd" || kind == "adam", "optimizer kind must be 'sgd' or 'adam'");
-  o.kind = kind == "sgd" ? pyasync::OptimKind::kSGD : pyasync::OptimKind::kAdam;
+  PYASYNC_CHECK_ARG(kind == "sgd" || kind == "adam" || kind == "delayed_nesterov",
+                    "optimizer kind must be 'sgd', 'adam' or 'delayed_nesterov'");
+  o.kind = kind == "sgd"    ? pyasync::OptimKind::kSGD
+           : kind == "adam" ? pyasync::OptimKind::kAdam
+                            : pyasync::OptimKind::kDelayedNesterov;
   auto f = [&](const char* key, float dflt) { return opt.contains(key) ? opt[key].cast<float>() : dflt; };
   auto b = [&](const char* key) { return opt.contains(key) ? opt[key].cast<bool>() : false; };
   o.lr = f("lr", 0.0f);
@@ -124,15 +127,18 @@ pyasync::ApplyParams apply_params(int32_t codec, addr codes, addr scales, int64_
   o.decoupled_weight_decay = b("decoupled_weight_decay");
   o.step_size = f("step_size", 0.0f);
   o.bias_correction2_sqrt = f("bias_correction2_sqrt", 1.0f);
+  o.close_round = b("close_round");
   // torch rounds these from Python doubles: 1 - 0.999 in double differs from 1.0f - 0.999f by 1e-5.
   auto d = [&](const char* key, double dflt) { return opt.contains(key) ? opt[key].cast<double>() : dflt; };
   o.one_minus_dampening = static_cast<float>(1.0 - d("dampening", 0.0));
   o.one_minus_beta1 = static_cast<float>(1.0 - d("beta1", 0.9));
   o.one_minus_beta2 = static_cast<float>(1.0 - d("beta2", 0.999));
   o.decay_factor = static_cast<float>(1.0 - d("lr", 0.0) * d("weight_decay", 0.0));
+  o.lr_momentum = static_cast<float>(d("lr", 0.0) * d("momentum", 0.0));
   if (o.kind == pyasync::OptimKind::kSGD && o.momentum != 0.0f)
     PYASYNC_CHECK_ARG(state1 != 0, "SGD with momentum needs a momentum buffer (state1)");
-  if (o.kind == pyasync::OptimKind::kAdam) PYASYNC_CHECK_ARG(state1 != 0 && state2 != 0, "Adam needs state1 and state2");
+  if (o.kind != pyasync::OptimKind::kSGD)
+    PYASYNC_CHECK_ARG(state1 != 0 && state2 != 0, "Adam and delayed Nesterov need state1 and state2");
   PYASYNC_CHECK_ARG(param != 0, "apply needs a parameter shard");
   PYASYNC_CHECK_ARG(std::isfinite(dc_lambda) && dc_lambda >= 0.0f,
                     "dc_lambda must be finite and >= 0 (0 turns delay compensation off)");

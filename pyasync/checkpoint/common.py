@@ -100,6 +100,13 @@ def check_args(path: Any, opt: Any, what: str) -> tuple[str, Target]:
             f"{what}: the DistributedOptimizer is closed; save or load before close() (a closed "
             "optimizer's owner threads are stopped)"
         )
+    if opt.local_steps is not None:
+        raise NotImplementedError(
+            f"{what}: checkpoints under local steps (policy {opt.policy.spec()!r}) are not supported yet: "
+            "each worker's replica, anchor and inner optimizer state would have to be saved per rank. "
+            "Save the model's state_dict() right after an outer step (every H steps the replicas equal "
+            "the global values), or train with another policy"
+        )
     target = Target(
         rank=opt.rank,
         world=opt.world_size,

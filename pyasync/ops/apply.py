@@ -1,4 +1,5 @@
-"""Apply-to-shard: one fused decode + optimizer step (SGD / Adam / AdamW) on an fp32 master shard.
+"""Apply-to-shard: one fused decode + optimizer step (SGD / Adam / AdamW, or the delayed Nesterov outer
+step of asynchronous local steps) on an fp32 master shard.
 
 An owner turns a push (or the sum of several) into one optimizer update of its shard, reading the
 encoded payload directly: per element ``g = dense_scale * dense + grad_scale * decode(payload)``, then
@@ -19,7 +20,7 @@ import torch
 from pyasync._validate import check_bool, check_real, overlaps
 from pyasync.ops._common import CODEC_IDS, Payload, addr, check_num_threads, check_tensor, launch
 
-__all__ = ["adam_apply", "sgd_apply"]
+__all__ = ["adam_apply", "delayed_nesterov_apply", "sgd_apply"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,6 +202,16 @@ def check_adam(
     if step < 1:
         raise ValueError(f"step must be >= 1 (the 1-based step count after this update), got {step}")
     return {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def check_delayed_nesterov(
+    lr: float, momentum: float, close_round: bool, momentum_buffer: torch.Tensor, accumulator: torch.Tensor
+) -> dict:
+    """Validate the delayed Nesterov hyperparameters; returns the state tensors to check."""
+    check_real("lr", lr, lo=0.0)
+    check_real("momentum", momentum, lo=0.0, hi=1.0)
+    check_bool("close_round", close_round)
+    return {"momentum_buffer": momentum_buffer, "accumulator": accumulator}
 
 
 def adam_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
@@ -414,3 +425,37 @@ def adam_apply(
         dc_lambda if dc else 0.0,
         dc_held if dc else None,
     )
+
+
+def delayed_nesterov_apply(
+    param: torch.Tensor,
+    *,
+    payload: Payload | None = None,
+    grad_scale: float = 1.0,
+    dense: torch.Tensor | None = None,
+    dense_scale: float = 1.0,
+    lr: float,
+    momentum: float = 0.9,
+    close_round: bool,
+    momentum_buffer: torch.Tensor,
+    accumulator: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    validate: bool = True,
+) -> None:
+    """One arrival of the delayed Nesterov outer step on ``param`` in place, from
+    ``g = dense_scale * dense + grad_scale * decode(payload)`` (Note [Delayed Nesterov] in
+    csrc/include/pyasync/math/optim.h): ``accumulator += g``, ``param -= lr * g``; with ``close_round``
+    also ``momentum_buffer = momentum * momentum_buffer + accumulator``, ``param -= lr * momentum *
+    momentum_buffer`` and ``accumulator = 0``.
+
+    param, payload, dense, grad_scale, dense_scale, scratch, num_threads, validate: as :func:`sgd_apply`.
+    momentum_buffer, accumulator: n fp32 each, updated in place (zeros before the first arrival).
+    """
+    state = check_delayed_nesterov(lr, momentum, close_round, momentum_buffer, accumulator)
+    if validate:
+        check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    opt = {"kind": "delayed_nesterov", "lr": float(lr), "momentum": float(momentum)}
+    opt["close_round"] = close_round
+    s1, s2 = momentum_buffer, accumulator
+    _apply(param, payload, grad_scale, dense, dense_scale, scratch, s1, s2, opt, num_threads, validate)

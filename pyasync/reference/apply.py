@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from pyasync.ops._common import Payload
-from pyasync.ops.apply import adam_scalars, check_adam, check_gradient, check_sgd
+from pyasync.ops.apply import adam_scalars, check_adam, check_delayed_nesterov, check_gradient, check_sgd
 
-__all__ = ["adam_apply", "gradient", "sgd_apply"]
+__all__ = ["adam_apply", "delayed_nesterov_apply", "gradient", "sgd_apply"]
 
 
 def gradient(
@@ -108,3 +108,45 @@ def adam_apply(
     step_size, bias_correction2_sqrt = adam_scalars(lr, beta1, beta2, step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def delayed_nesterov_apply(
+    param: torch.Tensor,
+    *,
+    payload: Payload | None = None,
+    grad_scale: float = 1.0,
+    dense: torch.Tensor | None = None,
+    dense_scale: float = 1.0,
+    lr: float,
+    momentum: float = 0.9,
+    close_round: bool,
+    momentum_buffer: torch.Tensor,
+    accumulator: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """Reference of :func:`pyasync.ops.apply.delayed_nesterov_apply`: one arrival of
+    :class:`pyasync.optim.DelayedNesterov`'s step, in eager torch."""
+    state = check_delayed_nesterov(lr, momentum, close_round, momentum_buffer, accumulator)
+    check_gradient(param, payload, grad_scale, dense, dense_scale, scratch, state)
+    grad = gradient(param.numel(), payload, grad_scale, dense, dense_scale)
+    delayed_nesterov_step(param, grad, lr, momentum, close_round, momentum_buffer, accumulator)
+
+
+def delayed_nesterov_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    lr: float,
+    momentum: float,
+    close_round: bool,
+    momentum_buffer: torch.Tensor,
+    accumulator: torch.Tensor,
+) -> None:
+    """The per-arrival math of Note [Delayed Nesterov], in eager torch (shared with
+    :class:`pyasync.optim.DelayedNesterov`)."""
+    accumulator.add_(grad)
+    param.add_(grad, alpha=-lr)
+    if close_round:
+        momentum_buffer.mul_(momentum).add_(accumulator)
+        param.add_(momentum_buffer, alpha=-lr * momentum)
+        accumulator.zero_()

@@ -145,3 +145,47 @@ def test_exports():
         "compression_ratio",
     ):
         assert hasattr(st, f)
+
+
+@pytest.mark.parametrize(
+    "text, expected, outer",
+    [
+        ("local:16", pyasync.Local(16), "bsp"),
+        ("local:8:quorum:3", pyasync.Local(8, mode="quorum", k=3), "quorum:3"),
+        ("local:4:async", pyasync.Local(4, mode="async"), "asp:lookahead=off:clip=off"),
+        ("local:4:async:lr=0.5:momentum=0", pyasync.Local(4, mode="async", outer_lr=0.5, outer_momentum=0.0),
+         "asp:lookahead=off:clip=off"),
+    ],
+)
+def test_local_steps_parse_and_pick_their_outer_policy(text, expected, outer):
+    p = parse_policy(text)
+    assert p == expected and parse_policy(p.spec()) == p
+    assert p.outer().spec() == outer
+    assert p.divisor(4) == p.outer().divisor(4)
+    if p.mode == "sync":
+        assert p.outer(elastic=True).spec() == "bsp:p2p"
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("local", "local takes"),
+        ("local:0", "steps"),
+        ("local:4:quorum", "local takes"),
+        ("local:4:sync", "local takes"),
+        ("local:4:quorum:0", "quorum k"),
+        ("local:4:lr=-1", "outer_lr"),
+        ("local:4:momentum=1", "outer_momentum"),
+        ("local:4:beta=1", "unknown option"),
+    ],
+)
+def test_local_steps_reject_bad_strings(bad, match):
+    with pytest.raises(ValueError, match=match):
+        parse_policy(bad)
+
+
+def test_local_quorum_larger_than_world_is_rejected():
+    with pytest.raises(ValueError, match="exceeds"):
+        pyasync.Local(4, mode="quorum", k=5).validate(4)
+    with pytest.raises(ValueError, match="only for mode='quorum'"):
+        pyasync.Local(4, k=2)

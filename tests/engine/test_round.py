@@ -219,3 +219,25 @@ def test_departure_releases_waits_and_a_rejoin_resumes_at_its_clock():
     ])
     with pytest.raises(ProtocolError, match="left the membership"):
         s.push(2, 0, 0, True, (True,), "x")
+
+
+def test_local_steps_run_their_outer_policys_machine():
+    """Local(H) is a policy like the others: its owners run the outer policy's round machine, with the
+    same event -> action tables (a push is one outer step's change)."""
+    from pyasync.policy import Local
+
+    assert isinstance(Local(4).round(N, 1), AggregateRound)
+    assert isinstance(Local(4, mode="quorum", k=2).round(N, 1), AggregateRound)
+    assert isinstance(Local(4, mode="async").round(N, 1), PushRound)
+    r = Local(4, mode="quorum", k=2).round(N, 1)
+    run(r, [
+        ("push", (1, 0, 0), []),
+        ("push", (2, 0, 0), [("sum", "w1c0"), ("sum", "w2c0"), ("update", (True,)),
+                             ("answer", ((1, 0), (2, 0)))]),
+        ("push", (0, 0, 0), [("release", "w0c0"), ("answer", ((0, 0),))]),  # late: dropped
+    ])
+    a = Local(4, mode="async").round(N, 1)
+    run(a, [
+        ("push", (2, 0, 0), [("apply", "w2c0", 1.0), ("answer", ((2, 0),))]),
+        ("push", (0, 0, 1), [("apply", "w0c0", 1.0), ("answer", ((0, 0),))]),
+    ])

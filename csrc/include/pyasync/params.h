@@ -98,10 +98,10 @@ struct DecodeParams {
 // ----------------------------------------------------------------------------------------------
 // Apply-to-shard (csrc/cpu/apply.cpp, csrc/cuda/apply.cu); math in math/optim.h
 
-enum class OptimKind : int32_t { kSGD = 0, kAdam = 1 };
+enum class OptimKind : int32_t { kSGD = 0, kAdam = 1, kDelayedNesterov = 2 };
 
 struct OptimParams {
-  OptimKind kind;               // SGD, or Adam (AdamW: decoupled_weight_decay)
+  OptimKind kind;               // SGD, Adam (AdamW: decoupled_weight_decay) or delayed Nesterov
   float lr;                     // learning rate
   float weight_decay;           // L2 (SGD, Adam) or decoupled (AdamW) weight decay
   bool maximize;                // ascend instead of descend
@@ -117,11 +117,14 @@ struct OptimParams {
   bool decoupled_weight_decay;  // AdamW
   float step_size;              // lr / (1 - beta1^step), computed on the host in double
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), computed on the host in double
+  // Delayed Nesterov (the outer step of asynchronous local steps): lr, momentum and
+  bool close_round;             // this update closes a round: the momentum step is taken
   // Derived scalars torch.optim computes in Python double before rounding to fp32 (bindings fill them)
   float one_minus_dampening;    // SGD: 1 - dampening
   float one_minus_beta1;        // Adam: 1 - beta1 (the lerp weight)
   float one_minus_beta2;        // Adam: 1 - beta2 (the addcmul value)
   float decay_factor;           // AdamW: 1 - lr * weight_decay
+  float lr_momentum;            // delayed Nesterov: lr * momentum
 };
 
 // One optimizer step on an fp32 shard from g = dense_scale * dense + grad_scale * decode(grad),
@@ -135,8 +138,8 @@ struct ApplyParams {
   const float* dc_held; // grad.n fp32: weights the pusher held when it computed g; read only if dc_lambda > 0
   float dc_lambda;      // delay compensation, >= 0 and finite; 0: off. See Note [Delay compensation formula]
   float* param;         // grad.n fp32 master values, updated in place
-  float* state1;        // SGD: momentum buffer (null when momentum == 0); Adam: exp_avg
-  float* state2;        // Adam: exp_avg_sq; SGD: null
+  float* state1;        // SGD: momentum buffer (null when momentum == 0); Adam: exp_avg; delayed Nesterov: momentum
+  float* state2;        // Adam: exp_avg_sq; SGD: null; delayed Nesterov: the round's accumulated gradient
   OptimParams opt;      // the optimizer and its scalars
   int32_t num_threads;  // CPU threads; 0: the default
 };

@@ -14,6 +14,7 @@ import torch
 from pyasync.ops import apply as ops_apply
 from pyasync.ops import codecs as ops_codecs
 from pyasync.ops._common import Payload
+from pyasync.optim import DelayedNesterov
 
 __all__ = ["ShardState", "UpdateRule"]
 
@@ -50,6 +51,8 @@ class UpdateRule:
         t = type(optimizer)
         if t is torch.optim.SGD:
             self.kind = "sgd"
+        elif t is DelayedNesterov:
+            self.kind = "delayed_nesterov"
         elif t in (torch.optim.Adam, torch.optim.AdamW) and not any(
             g.get("amsgrad", False) for g in self.groups
         ):
@@ -110,7 +113,7 @@ class UpdateRule:
 
     def state_names(self) -> list[str]:
         """Names of the fused rule's per-element state tensors (besides the per-segment "steps")."""
-        if self.kind == "adam":
+        if self.kind in ("adam", "delayed_nesterov"):
             return ["state1", "state2"]
         if self.kind == "sgd" and any(self._momentum(g) != 0.0 for g in self.groups):
             return ["state1"]
@@ -131,7 +134,7 @@ class UpdateRule:
         return s
 
     def init_state(self, s: ShardState) -> None:
-        if self.kind == "adam":
+        if self.kind in ("adam", "delayed_nesterov"):
             s.state1 = torch.zeros_like(s.master)
             s.state2 = torch.zeros_like(s.master)
         elif self.kind == "sgd":
@@ -195,7 +198,8 @@ class UpdateRule:
         ``round_of`` > 1: this update is one of a round of that many that together stand for one step
         of the optimizer (Note [Moments per round] in pyasync/policy.py): SGD's momentum becomes its
         ``round_of``-th root, with the gradient and the weight decay scaled to keep each gradient's
-        total displacement; Adam's betas become their ``round_of``-th roots.
+        total displacement; Adam's betas become their ``round_of``-th roots; delayed Nesterov (local
+        steps) moves its momentum once per ``round_of`` updates.
         ``momentum_shift`` is then taken off the momentum (SGD) or beta1 (Adam), down to 0 (Note
         [Momentum correction]). ``dc_lambda`` > 0 with ``dc_held`` (what the pushing worker held of the
         shard): delay compensation in the fused kernels (Note [Delay compensation] in
@@ -218,7 +222,9 @@ class UpdateRule:
             d = dense[a:z] if dense is not None else None
             scratch = s.scratch_buf()[a:z] if p is not None and p.codec == "topk" else None
             dc = {"dc_lambda": float(dc_lambda), "dc_held": dc_held[a:z]} if dc_held is not None else {}
-            if self.kind == "sgd":
+            if self.kind == "delayed_nesterov":
+                self._delayed_nesterov(s, a, z, grp, p, d, grad_scale, lr_factor, steps, round_of, scratch)
+            elif self.kind == "sgd":
                 momentum = self._momentum(grp)
                 if momentum != 0.0 and s.state1 is None:
                     s.state1 = torch.zeros_like(s.master)
@@ -249,32 +255,57 @@ class UpdateRule:
                     **dc,
                 )
             else:
-                beta1, beta2 = float(grp["betas"][0]), float(grp["betas"][1])
-                if round_of > 1:
-                    beta1, beta2 = beta1 ** (1.0 / round_of), beta2 ** (1.0 / round_of)
-                beta1 = max(0.0, beta1 - momentum_shift) if momentum_shift else beta1
-                ops_apply.adam_apply(
-                    s.master[a:z],
-                    payload=p,
-                    grad_scale=float(grad_scale),
-                    dense=d,
-                    dense_scale=1.0,
-                    lr=float(grp["lr"]) * lr_factor,
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(grp["eps"]),
-                    weight_decay=float(grp.get("weight_decay", 0.0)),
-                    decoupled_weight_decay=bool(self.decoupled or grp.get("decoupled_weight_decay", False)),
-                    maximize=bool(grp.get("maximize", False)),
-                    step=steps + 1,
-                    exp_avg=s.state1[a:z],
-                    exp_avg_sq=s.state2[a:z],
-                    scratch=scratch,
-                    validate=False,
-                    **dc,
-                )
+                shift = momentum_shift
+                self._adam(s, a, z, grp, p, d, grad_scale, lr_factor, steps, round_of, shift, scratch, dc)
             for i in idx:
                 s.steps[i] += 1
+
+    def _adam(self, s, a, z, grp, payload, dense, grad_scale, lr_factor, steps, round_of, shift, scratch, dc):
+        """One Adam / AdamW update of elements [a, z) of shard ``s`` (the arguments of :meth:`apply`)."""
+        beta1, beta2 = float(grp["betas"][0]), float(grp["betas"][1])
+        if round_of > 1:
+            beta1, beta2 = beta1 ** (1.0 / round_of), beta2 ** (1.0 / round_of)
+        beta1 = max(0.0, beta1 - shift) if shift else beta1
+        ops_apply.adam_apply(
+            s.master[a:z],
+            payload=payload,
+            grad_scale=float(grad_scale),
+            dense=dense,
+            dense_scale=1.0,
+            lr=float(grp["lr"]) * lr_factor,
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(grp["eps"]),
+            weight_decay=float(grp.get("weight_decay", 0.0)),
+            decoupled_weight_decay=bool(self.decoupled or grp.get("decoupled_weight_decay", False)),
+            maximize=bool(grp.get("maximize", False)),
+            step=steps + 1,
+            exp_avg=s.state1[a:z],
+            exp_avg_sq=s.state2[a:z],
+            scratch=scratch,
+            validate=False,
+            **dc,
+        )
+
+    def _delayed_nesterov(
+        self, s, a, z, grp, payload, dense, grad_scale, lr_factor, steps, round_of, scratch
+    ) -> None:
+        """One arrival of the delayed Nesterov outer step on elements [a, z) of shard ``s``: a round of
+        ``round_of`` pushes (n under local:H:async) moves the momentum once (Note [Delayed Nesterov] in
+        csrc/include/pyasync/math/optim.h)."""
+        ops_apply.delayed_nesterov_apply(
+            s.master[a:z],
+            payload=payload,
+            grad_scale=float(grad_scale),
+            dense=dense,
+            lr=float(grp["lr"]) * lr_factor,
+            momentum=float(grp["momentum"]),
+            close_round=(steps + 1) % max(1, round_of) == 0,
+            momentum_buffer=s.state1[a:z],
+            accumulator=s.state2[a:z],
+            scratch=scratch,
+            validate=False,
+        )
 
     def lookahead(self, s: ShardState, k: int, n: int, round_of: int = 1) -> torch.Tensor:
         """Where shard ``s``'s master will be after ``k`` more updates with zero gradients (a new tensor):
@@ -284,7 +315,7 @@ class UpdateRule:
         their ``round_of``-th roots. The master itself (cloned) where there is no momentum state to
         carry it."""
         out = s.master.clone()
-        if k <= 0 or s.state1 is None or not self.fused:
+        if k <= 0 or s.state1 is None or self.kind not in ("sgd", "adam"):
             return out
         for i, seg in enumerate(s.layout.segments):
             if seg.end <= seg.begin or s.steps[i] == 0:

@@ -94,11 +94,37 @@ PYASYNC_HOST_DEVICE void adam_step(const OptimParams& o, float g, float& p, floa
   p = p + (-o.step_size) * m / denom;
 }
 
+// Note [Delayed Nesterov]
+// The outer step of asynchronous local steps (policy "local:H:async", pyasync/local.py): each worker
+// pushes its change over H local steps (a pseudo-gradient), and the owner applies each one on arrival.
+// Nesterov momentum applied per arrival accelerates along stale directions and diverges (Liu et al.
+// 2024, "Asynchronous Local-SGD Training for Language Modeling"); their fix is to move the momentum
+// only once per N arrivals. Here, per arrival of g (the push's share, already x 1/n):
+//   a = a + g;  p = p - lr * g                                 (the gradient part, at once)
+//   every N-th arrival (close_round):  m = mu * m + a;  p = p - lr * mu * m;  a = 0
+// Over a round of N arrivals that moves p by lr * (a + mu * m'), m' = mu * m + a: exactly one step of
+// torch.optim.SGD(nesterov=True) on the round's sum, whose gradient part arrives without waiting and
+// whose momentum part waits for the round. With N = 1 it is Nesterov SGD on every push. Rounding:
+// each operation is one IEEE operation in the order written, the `p - x * y` ones an fma as torch's
+// add_(alpha=) (fma_torch); lr * mu comes from the host in double, as torch's Python scalar would.
+// Its eager twin is pyasync.optim.DelayedNesterov (tests/kernels/test_apply_outer.py).
+PYASYNC_HOST_DEVICE void delayed_nesterov_step(const OptimParams& o, float g, float& p, float& m, float& a) {
+  a = add_rn(a, g);            // accumulator.add_(g)
+  p = fma_torch(g, -o.lr, p);  // param.add_(g, alpha=-lr)
+  if (o.close_round) {
+    m = add_rn(mul_rn(m, o.momentum), a);  // buf.mul_(momentum).add_(accumulator)
+    p = fma_torch(m, -o.lr_momentum, p);   // param.add_(buf, alpha=-lr * momentum)
+    a = 0.0f;                              // accumulator.zero_()
+  }
+}
+
 PYASYNC_HOST_DEVICE void optim_step(const OptimParams& o, float g, float& p, float* s1, float* s2) {
   if (o.kind == OptimKind::kSGD) {
     sgd_step(o, g, p, s1);
-  } else {
+  } else if (o.kind == OptimKind::kAdam) {
     adam_step(o, g, p, *s1, *s2);
+  } else {
+    delayed_nesterov_step(o, g, p, *s1, *s2);
   }
 }
 

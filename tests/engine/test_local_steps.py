@@ -1,0 +1,190 @@
+"""Local steps (policy "local:H", Note [Local steps] in pyasync/local.py) on real processes over loopback:
+the synchronous outer step is DiLoCo (each worker's inner optimizer on its own replica, Nesterov SGD on
+the mean change), checked against a single-process reference; the quorum and asynchronous modes train
+to the same optimum with equal replicas; gradients, GradScaler and clipping act on the inner steps; and
+what is not supported says so. The delayed Nesterov math itself: tests/kernels/test_apply_outer.py."""
+
+import datetime
+
+import pytest
+import torch
+
+import pyasync
+from tests._dist import multiproc, run_workers
+
+pytestmark = multiproc
+
+DIM, H, T = 24, 4, 32  # parameters, local steps per outer step, inner steps per worker
+TARGET = torch.linspace(-1.0, 1.0, DIM)
+
+
+def _data(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``rank``'s batch of step ``t``: a least-squares problem whose optimum is TARGET."""
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    x = torch.randn(8, DIM, generator=g)
+    return x, x @ TARGET
+
+
+def _loss(w: torch.Tensor, rank: int, t: int) -> torch.Tensor:
+    x, y = _data(rank, t)
+    return ((x @ w - y) ** 2).mean()
+
+
+def _inner(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.5)
+
+
+def _train(rank: int, world: int, policy: str, kind: str, steps: int = T, **kw) -> dict:
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = pyasync.DistributedOptimizer(
+        _inner([w], kind), policy=policy, timeout=datetime.timedelta(seconds=60), **kw
+    )
+    for t in range(steps):
+        opt.zero_grad()
+        _loss(w, rank, t).backward()
+        before = w.grad.clone()
+        opt.step()
+        assert torch.equal(w.grad, before), "the user's gradient must be left as backward() made it"
+    clock = opt.engine.clock
+    opt.close()
+    return {"w": w.detach().clone(), "clock": clock, "sent": opt.stats().pushes_sent}
+
+
+def _diloco(world: int, kind: str, outer_lr: float = 0.7, mu: float = 0.9) -> torch.Tensor:
+    """DiLoCo in one process: each worker's inner optimizer (its own state) for H steps from the global
+    values, then one Nesterov SGD step on the mean change."""
+    glob = torch.nn.Parameter(torch.zeros(DIM))
+    outer = torch.optim.SGD([glob], lr=outer_lr, momentum=mu, nesterov=mu > 0)
+    reps = [torch.nn.Parameter(torch.zeros(DIM)) for _ in range(world)]
+    inners = [_inner([r], kind) for r in reps]
+    for t0 in range(0, T, H):
+        for r in reps:
+            r.data.copy_(glob.data)
+        for w, (r, inner) in enumerate(zip(reps, inners)):
+            for t in range(t0, t0 + H):
+                inner.zero_grad()
+                _loss(r, w, t).backward()
+                inner.step()
+        glob.grad = sum(glob.data - r.data for r in reps) / world
+        outer.step()
+    return glob.detach()
+
+
+@pytest.mark.parametrize(("policy", "extra"), [("local:4", {}), ("local:4", {"elastic": True})])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_synchronous_local_steps_are_diloco(policy, extra, kind):
+    """local:H on 3 workers (BSP on collectives, and point-to-point with elastic=True) ends where
+    single-process DiLoCo does, every replica equal, with one push per H steps."""
+    world = 3
+    res = run_workers(_train_kw, world, args=(policy, kind, extra), timeout=120)
+    ref = _diloco(world, kind)
+    for r in res:
+        assert r["clock"] == T // H
+        assert torch.equal(r["w"], res[0]["w"]), "replicas differ"
+    torch.testing.assert_close(res[0]["w"], ref, rtol=1e-5, atol=1e-5)
+    # it trained (outer Nesterov at 0.9 swings on so small a problem: closer, not close)
+    assert (res[0]["w"] - TARGET).norm() < 0.6 * TARGET.norm()
+
+
+def _train_kw(rank: int, world: int, policy: str, kind: str, extra: dict) -> dict:
+    return _train(rank, world, policy, kind, **extra)
+
+
+@pytest.mark.parametrize("policy", ["local:4:quorum:3", "local:4:async"])
+def test_quorum_and_asynchronous_local_steps_train_to_equal_replicas(policy):
+    """local:H:quorum:K and local:H:async on 4 workers: one push per H steps, equal replicas after
+    close(), and the model trained (the async outer step is the delayed Nesterov one)."""
+    steps = 96  # 24 outer steps: synchronous DiLoCo ends at 0.05 of the start's distance here
+    res = run_workers(_train_kw, 4, args=(policy, "sgd", {"steps": steps}), timeout=120)
+    for r in res:
+        assert r["clock"] == steps // H
+        assert torch.equal(r["w"], res[0]["w"]), "replicas differ"
+        assert torch.isfinite(r["w"]).all()
+    assert (res[0]["w"] - TARGET).norm() < 0.3 * TARGET.norm()  # async measured 0.18, quorum 0.07
+
+
+def _amp(rank: int, world: int, mode: str) -> dict:
+    """local:2 with inner SGD for 8 steps. "scaler": through a GradScaler (a power of two: exact);
+    "scaler-inf": the same with rank 1's gradient at step 3 made inf; "clip": max_grad_norm=0.5."""
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    kw = {"max_grad_norm": 0.5} if mode == "clip" else {}
+    opt = pyasync.DistributedOptimizer(
+        _inner([w], "sgd"), policy="local:2", timeout=datetime.timedelta(seconds=60), **kw
+    )
+    scaler = None
+    if mode.startswith("scaler"):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for t in range(8):
+        opt.zero_grad()
+        loss = _loss(w, rank, t)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            continue
+        scaler.scale(loss).backward()
+        if mode == "scaler-inf" and rank == 1 and t == 3:
+            w.grad[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    clock = opt.engine.clock
+    opt.close()
+    return {"w": w.detach().clone(), "clock": clock, "inner": opt.local_steps.inner_steps}
+
+
+def _local_reference(world: int, steps: int, h: int, clip=None) -> torch.Tensor:
+    """local:h in one process with inner SGD; ``clip``: clip_grad_norm_ before each inner step."""
+    glob = torch.nn.Parameter(torch.zeros(DIM))
+    outer = torch.optim.SGD([glob], lr=0.7, momentum=0.9, nesterov=True)
+    reps = [torch.nn.Parameter(torch.zeros(DIM)) for _ in range(world)]
+    inners = [_inner([r], "sgd") for r in reps]
+    for t0 in range(0, steps, h):
+        for w, (r, inner) in enumerate(zip(reps, inners)):
+            r.data.copy_(glob.data)
+            for t in range(t0, t0 + h):
+                inner.zero_grad()
+                _loss(r, w, t).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_([r], clip)
+                inner.step()
+        glob.grad = sum(glob.data - r.data for r in reps) / world
+        outer.step()
+    return glob.detach()
+
+
+def test_grad_scaler_and_clipping_act_on_the_inner_steps():
+    """A GradScaler's scale is divided out before each inner step (a power of two: bit-identical to no
+    scaler); a step where it found an inf is skipped, not counted, and nothing non-finite reaches
+    the model; max_grad_norm clips each inner step's gradient on the worker."""
+    plain = run_workers(_amp, 2, args=("plain",), timeout=120)
+    scaled = run_workers(_amp, 2, args=("scaler",), timeout=120)
+    torch.testing.assert_close(plain[0]["w"], _local_reference(2, 8, 2), rtol=1e-5, atol=1e-6)
+    for a, b in zip(plain, scaled):
+        assert torch.equal(a["w"], b["w"])
+    inf = run_workers(_amp, 2, args=("scaler-inf",), timeout=120)
+    assert [r["inner"] for r in inf] == [8, 7]
+    assert [r["clock"] for r in inf] == [4, 3]
+    assert torch.equal(inf[0]["w"], inf[1]["w"]) and torch.isfinite(inf[0]["w"]).all()
+    clipped = run_workers(_amp, 2, args=("clip",), timeout=120)
+    torch.testing.assert_close(clipped[0]["w"], _local_reference(2, 8, 2, clip=0.5), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(clipped[0]["w"], plain[0]["w"]), "the clip did nothing"
+
+
+def _unsupported(rank: int, world: int, path: str) -> list[str]:
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = pyasync.DistributedOptimizer(_inner([w], "sgd"), policy="local:2")
+    out = []
+    for call in (lambda: pyasync.save_checkpoint(path, opt), opt.state_dict):
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        out.append(str(e.value))
+    assert opt.policy.spec() == "local:2" and "local:2" in repr(opt)
+    opt.close()
+    return out
+
+
+def test_checkpoints_under_local_steps_say_they_are_not_supported(tmp_path):
+    msgs = run_workers(_unsupported, 2, args=(str(tmp_path),), timeout=60)[0]
+    assert "local steps" in msgs[0] and "outer step" in msgs[0]
+    assert "not supported yet" in msgs[1]
