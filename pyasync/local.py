@@ -18,8 +18,31 @@ Note [Local steps]
     - GradScaler: a step where the scaler found an inf or NaN is skipped (not counted); otherwise the
       gradients are unscaled in place before the inner step. ``max_grad_norm`` clips each inner step's
       gradient on the worker, as ``clip_grad_norm_`` before ``optimizer.step()`` would.
-    - A membership change (``elastic=True``) keeps each survivor's replica and anchor: the next outer
-      step pushes the change since the last one it made.
+    - A membership change (``elastic=True``) keeps each survivor's progress since its last outer step:
+      the change's drain installs the global values and the dead owner's shards are rebuilt from the
+      freshest replica, both of which must see the values the survivors *installed*, not their local
+      replicas (a replica ahead of its anchor would put its progress into the rebuilt master, and the
+      next push would add it again). So the replica is parked at its anchor for the change
+      (:meth:`LocalSteps.park`) and its progress is put back on the new global values after it, which
+      become the anchor (:meth:`LocalSteps.unpark`): the next outer step pushes that progress once.
+    - ``stats()`` is the engine's: its ``clock`` and push counts count outer steps; ``opt.local_steps``
+      holds ``inner_steps`` and ``outer_steps``.
+    - An outer step whose wait timed out (TimeoutError) stays in flight, as any step does; the next
+      ``step()`` finishes it first and takes its answer as the anchor, so its change is pushed once.
+
+Note [Outer step defaults]
+    DiLoCo's outer Nesterov at lr 0.7 and momentum 0.9 was tuned for inner AdamW and H of about 500. In
+    steady state Nesterov moves lr / (1 - mu) times the mean change per outer step: 7x at 0.7 and 0.9.
+    Measured here (docs/benchmarks.md, "Local steps"; 4 workers, one 2x straggler, H = 16), that reached
+    the target early and then diverged on `seq` (SGD at momentum 0.9, a model trained near its
+    stability limit: `local:16` ended at 0.10 token accuracy, `local:16:quorum:3` at 0.07), and on
+    `lm` with AdamW ended 2.2% above DDP's held-out loss, against 0.8% at lr 0.5 and momentum 0.8
+    (2.5x), which also ended `seq` at 0.999 (DDP 0.997). So synchronous and quorum default to 0.5 and
+    0.8. Asynchronously each change moves the global values at once (the gradient part of Note
+    [Delayed Nesterov]), and momentum on stale changes swings sooner: on `seq` lr 0.5 and momentum 0.8
+    ended at 0.982, lr 0.7 and 0.5 at 0.995, plain averaging (lr 1, momentum 0) at 0.993 and lr 1 with
+    momentum 0.3 at 0.996; lr 1.5 or 2 without momentum swung (0.975, 0.717). Async defaults to lr 1 and
+    momentum 0.3. ``local:H:lr=..:momentum=..`` sets both.
 """
 
 from __future__ import annotations
@@ -54,12 +77,18 @@ class LocalSteps:
         self.anchor = [p.detach().clone() for p in params]
         self.inner_steps = 0  # inner steps taken (skipped GradScaler steps not counted)
         self.outer_steps = 0
+        self.pending = False  # an outer step whose wait timed out: finished by the next step()
 
     def inner_step(
-        self, optimizer: torch.optim.Optimizer, grad_scale: float | None, found_inf: bool
+        self, optimizer: torch.optim.Optimizer, grad_scale: float | None, found_inf: bool, finish: Callable
     ) -> bool:
         """One step of the user's optimizer on this replica; True when it completes H steps (an outer
-        step is due)."""
+        step is due). An outer step that timed out is first finished (``finish()``: the engine's, which
+        installs its answer), and its answer becomes the anchor: its change is never pushed twice."""
+        if self.pending:
+            finish()
+            self.pending = False
+            self._settle()
         if found_inf:
             return False
         if grad_scale is not None and grad_scale != 1.0:
@@ -81,9 +110,39 @@ class LocalSteps:
             for p, a in zip(self.params, self.anchor):
                 p.grad = a - p
             push()
+        except TimeoutError:
+            self.pending = True  # in flight: the next step() finishes it (inner_step)
+            raise
         finally:
             for p, g in zip(self.params, saved):
                 p.grad = g
+        self._settle()
+
+    @torch.no_grad()
+    def park(self) -> list[torch.Tensor]:
+        """Before a membership change: set the replica's progress since the last outer step aside and
+        hold the anchor (the installed global values). A timed-out outer step is in flight then, and the
+        change's drain applies it: nothing was trained since it was pushed, so there is no progress."""
+        if self.pending:
+            self.pending = False
+            self.outer_steps += 1
+            return [torch.zeros_like(p) for p in self.params]
+        progress = [p - a for p, a in zip(self.params, self.anchor)]
+        for p, a in zip(self.params, self.anchor):
+            p.copy_(a)
+        return progress
+
+    @torch.no_grad()
+    def unpark(self, progress: list[torch.Tensor]) -> None:
+        """After a membership change: the installed values are the new anchor, the progress goes back
+        on top of them."""
+        for p, a, d in zip(self.params, self.anchor, progress):
+            a.copy_(p)
+            p.add_(d)
+
+    @torch.no_grad()
+    def _settle(self) -> None:
+        """The installed global values become the anchor of the next outer step."""
         for p, a in zip(self.params, self.anchor):
             a.copy_(p)
         self.outer_steps += 1

@@ -264,7 +264,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inf = found_inf is not None and float(found_inf) > 0
         if self.local_steps is None:
             self.engine.step(grad_scale=scale, found_inf=inf)
-        elif self.local_steps.inner_step(self.optimizer, scale, inf):
+        elif self.local_steps.inner_step(self.optimizer, scale, inf, self.engine.finish):
             self.local_steps.outer_step(lambda: self.engine.step())
         self._follow_membership()
         for hook in list(self._optimizer_step_post_hooks.values()):
@@ -283,6 +283,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._epoch_failure is not None:
             raise self._epoch_failure
         old = self._epoch
+        local = self.local_steps
+        progress = local.park() if local is not None else None  # Note [Local steps]
         try:
             nxt, change = change_epoch(old, self._setup)
         except BaseException as e:
@@ -293,6 +295,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._epoch = nxt
         self._guard()
         self._unhook()
+        if local is not None:
+            local.unpark(progress)
         release_control(old)  # the old epoch's own group (its engine has stopped)
         self._epochs.append(change)
 

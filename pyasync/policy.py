@@ -436,29 +436,40 @@ class Quorum(_Aggregate):
 
 
 _LOCAL_MODES = ("sync", "quorum", "async")
+#: Local's outer (lr, momentum) by mode, as measured (docs/benchmarks.md, "Local steps"): DiLoCo's 0.7 and
+#: 0.9 diverged on `seq` (SGD momentum) and ended 2.2% above DDP's loss on `lm` (AdamW); see Note
+#: [Outer step defaults] in pyasync/local.py.
+LOCAL_OUTER_DEFAULTS = {"sync": (0.5, 0.8), "quorum": (0.5, 0.8), "async": (1.0, 0.3)}
 
 
 @dataclass(frozen=True)
 class Local(Policy):
     """Local steps (Local SGD, DiLoCo): every worker takes ``steps`` (H) steps of the user's optimizer on
-    its own replica, then pushes its change since the last sync (a pseudo-gradient) and installs the
-    new global values. The owners run an outer optimizer on their shards: Nesterov SGD at ``outer_lr``
-    and ``outer_momentum`` (0.7 and 0.9, as DiLoCo). How the pushes of an outer step meet is
-    ``mode``'s: "sync" (every worker, as BSP; ``local:H``), "quorum" (the first ``k`` workers' changes,
-    as Quorum(k), later ones dropped; ``local:H:quorum:K``) or "async" (each change applied on arrival
-    with the delayed Nesterov outer step, Note [Delayed Nesterov]; ``local:H:async``). The worker side
-    is pyasync/local.py (Note [Local steps]); the round machine is the outer policy's (:meth:`outer`)."""
+    its own replica, then pushes its change since the last sync (a pseudo-gradient) and installs the new
+    global values. The owners run an outer optimizer on their shards: Nesterov SGD at ``outer_lr`` and
+    ``outer_momentum`` (None: the mode's measured defaults, LOCAL_OUTER_DEFAULTS: 0.5 and 0.8 synchronous
+    and quorum, 1.0 and 0.3 async; Note [Outer step defaults] in pyasync/local.py). How the pushes of an
+    outer step meet is ``mode``'s: "sync" (every worker, as BSP; ``local:H``), "quorum" (the first ``k``
+    workers' changes, as Quorum(k), later ones dropped; ``local:H:quorum:K``) or "async" (each change
+    applied on arrival with the delayed Nesterov outer step, Note [Delayed Nesterov]; ``local:H:async``).
+    The worker side is pyasync/local.py (Note [Local steps]); the round machine is the outer policy's
+    (:meth:`outer`)."""
 
     steps: int = 16
     mode: str = "sync"
     k: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         check_int("Local steps", self.steps, lo=1)
         if self.mode not in _LOCAL_MODES:
             raise ValueError(f"Local mode must be one of {_LOCAL_MODES}, got {self.mode!r}")
+        lr, mu = LOCAL_OUTER_DEFAULTS[self.mode]
+        if self.outer_lr is None:
+            object.__setattr__(self, "outer_lr", lr)
+        if self.outer_momentum is None:
+            object.__setattr__(self, "outer_momentum", mu)
         if self.mode == "quorum":
             check_int("Local quorum k", self.k, lo=1)
         elif self.k != 0:
@@ -485,8 +496,9 @@ class Local(Policy):
     def spec(self) -> str:
         out = f"local:{self.steps}"
         out += f":quorum:{self.k}" if self.mode == "quorum" else ":async" if self.mode == "async" else ""
-        out += f":lr={self.outer_lr:g}" if self.outer_lr != 0.7 else ""
-        return out + (f":momentum={self.outer_momentum:g}" if self.outer_momentum != 0.9 else "")
+        lr, mu = LOCAL_OUTER_DEFAULTS[self.mode]
+        out += f":lr={self.outer_lr:g}" if self.outer_lr != lr else ""
+        return out + (f":momentum={self.outer_momentum:g}" if self.outer_momentum != mu else "")
 
     def validate(self, world_size: int) -> None:
         self.outer().validate(world_size)

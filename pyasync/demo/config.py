@@ -61,7 +61,8 @@ def parse_system(token: str, workers: int) -> SystemSpec:
             pyasync.compression.from_spec(codec)
     except (ValueError, TypeError) as e:
         raise ValueError(f"system {name!r}: {e}") from None
-    if isinstance(policy, pyasync.Quorum) and policy.k > workers:
+    k = policy.k if isinstance(policy, (pyasync.Quorum, pyasync.Local)) else 0
+    if k > workers:
         raise ValueError(f"system {name!r}: quorum size must be in 1..workers={workers}")
     return SystemSpec(
         name=name,

@@ -5,6 +5,7 @@ to the same optimum with equal replicas; gradients, GradScaler and clipping act 
 what is not supported says so. The delayed Nesterov math itself: tests/kernels/test_apply_outer.py."""
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -52,7 +53,10 @@ def _train(rank: int, world: int, policy: str, kind: str, steps: int = T, **kw) 
     return {"w": w.detach().clone(), "clock": clock, "sent": opt.stats().pushes_sent}
 
 
-def _diloco(world: int, kind: str, outer_lr: float = 0.7, mu: float = 0.9) -> torch.Tensor:
+OUTER_LR, OUTER_MU = pyasync.Local(H).outer_lr, pyasync.Local(H).outer_momentum  # 0.5, 0.8
+
+
+def _diloco(world: int, kind: str, outer_lr: float = OUTER_LR, mu: float = OUTER_MU) -> torch.Tensor:
     """DiLoCo in one process: each worker's inner optimizer (its own state) for H steps from the global
     values, then one Nesterov SGD step on the mean change."""
     glob = torch.nn.Parameter(torch.zeros(DIM))
@@ -84,25 +88,30 @@ def test_synchronous_local_steps_are_diloco(policy, extra, kind):
         assert r["clock"] == T // H
         assert torch.equal(r["w"], res[0]["w"]), "replicas differ"
     torch.testing.assert_close(res[0]["w"], ref, rtol=1e-5, atol=1e-5)
-    # it trained (outer Nesterov at 0.9 swings on so small a problem: closer, not close)
-    assert (res[0]["w"] - TARGET).norm() < 0.6 * TARGET.norm()
+    # it trained (outer Nesterov swings on so small a problem: closer, not close)
+    assert (res[0]["w"] - TARGET).norm() < 0.75 * TARGET.norm()  # measured: sgd 0.49, adamw 0.62
 
 
 def _train_kw(rank: int, world: int, policy: str, kind: str, extra: dict) -> dict:
     return _train(rank, world, policy, kind, **extra)
 
 
-@pytest.mark.parametrize("policy", ["local:4:quorum:3", "local:4:async"])
-def test_quorum_and_asynchronous_local_steps_train_to_equal_replicas(policy):
-    """local:H:quorum:K and local:H:async on 4 workers: one push per H steps, equal replicas after
-    close(), and the model trained (the async outer step is the delayed Nesterov one)."""
+@pytest.mark.parametrize(
+    ("policy", "codec"),
+    [("local:4:quorum:3", None), ("local:4:async", None), ("local:4", "int8"), ("local:4:async", "int8")],
+)
+def test_quorum_asynchronous_and_compressed_local_steps_train_to_equal_replicas(policy, codec):
+    """local:H:quorum:K and local:H:async on 4 workers, and the changes int8-coded with error feedback
+    both ways: one push per H steps, equal replicas after close(), and the model trained (the async
+    outer step is the delayed Nesterov one)."""
     steps = 96  # 24 outer steps: synchronous DiLoCo ends at 0.05 of the start's distance here
-    res = run_workers(_train_kw, 4, args=(policy, "sgd", {"steps": steps}), timeout=120)
+    extra = {"steps": steps, "compression": codec}
+    res = run_workers(_train_kw, 4, args=(policy, "sgd", extra), timeout=120)
     for r in res:
         assert r["clock"] == steps // H
         assert torch.equal(r["w"], res[0]["w"]), "replicas differ"
         assert torch.isfinite(r["w"]).all()
-    assert (res[0]["w"] - TARGET).norm() < 0.3 * TARGET.norm()  # async measured 0.18, quorum 0.07
+    assert (res[0]["w"] - TARGET).norm() < 0.3 * TARGET.norm()  # measured with 0.7 and 0.9: async 0.18
 
 
 def _amp(rank: int, world: int, mode: str) -> dict:
@@ -136,7 +145,7 @@ def _amp(rank: int, world: int, mode: str) -> dict:
 def _local_reference(world: int, steps: int, h: int, clip=None) -> torch.Tensor:
     """local:h in one process with inner SGD; ``clip``: clip_grad_norm_ before each inner step."""
     glob = torch.nn.Parameter(torch.zeros(DIM))
-    outer = torch.optim.SGD([glob], lr=0.7, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD([glob], lr=OUTER_LR, momentum=OUTER_MU, nesterov=True)
     reps = [torch.nn.Parameter(torch.zeros(DIM)) for _ in range(world)]
     inners = [_inner([r], "sgd") for r in reps]
     for t0 in range(0, steps, h):
@@ -188,3 +197,44 @@ def test_checkpoints_under_local_steps_say_they_are_not_supported(tmp_path):
     msgs = run_workers(_unsupported, 2, args=(str(tmp_path),), timeout=60)[0]
     assert "local steps" in msgs[0] and "outer step" in msgs[0]
     assert "not supported yet" in msgs[1]
+
+
+def _slow_outer_step(rank: int, world: int, stall: bool) -> dict:
+    """local:2:quorum:2 on 2 workers, timeout 2 s; ``stall``: rank 1 stalls 3.5 s before its second
+    outer push, so rank 0's second outer step times out and rank 0 calls step() again."""
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = pyasync.DistributedOptimizer(
+        _inner([w], "sgd"), policy="local:2:quorum:2", timeout=datetime.timedelta(seconds=2)
+    )
+    timeouts, anchors = 0, []
+    for t in range(8):
+        opt.zero_grad()
+        _loss(w, rank, t).backward()
+        if stall and rank == 1 and t == 3:
+            time.sleep(3.5)  # a stalled worker (fault injection), not synchronisation
+        try:
+            opt.step()
+        except TimeoutError:
+            timeouts += 1
+        if len(anchors) < opt.local_steps.outer_steps:
+            anchors.append(opt.local_steps.anchor[0].clone())
+    opt.close()
+    return {"w": w.detach().clone(), "timeouts": timeouts, "anchors": anchors}
+
+
+def test_an_outer_step_that_timed_out_is_finished_by_the_next_step_and_pushed_once():
+    """A TimeoutError leaves the outer step in flight; the next step() installs its answer and takes it
+    as the anchor before its inner step, so its change is applied once: the global values after each
+    outer step equal those of a run without the stall, bit for bit, up to the one after the stall.
+    From there the runs differ a little, and only because that one step's gradient was computed (by
+    the user's backward, before step()) on the replica the late answer had not yet replaced."""
+    calm = run_workers(_slow_outer_step, 2, args=(False,), timeout=120)
+    res = run_workers(_slow_outer_step, 2, args=(True,), timeout=120)
+    assert [r["timeouts"] for r in calm] == [0, 0] and [r["timeouts"] for r in res] == [1, 0]
+    for r in res:
+        assert len(r["anchors"]) == 4
+        assert torch.equal(r["w"], res[0]["w"])
+        for k in (0, 1):  # outer step 1 (the stalled one) is 0-based index 1
+            assert torch.equal(r["anchors"][k], calm[0]["anchors"][k]), k
+    torch.testing.assert_close(res[0]["w"], _local_reference(2, 8, 2), rtol=0, atol=0.01)
+    torch.testing.assert_close(calm[0]["w"], _local_reference(2, 8, 2), rtol=1e-5, atol=1e-6)

@@ -218,6 +218,10 @@ class CollectiveEngine:
             bad = self.failures.take_nonfinite(t)
         self.failures.raise_nonfinite(bad, self.on_nonfinite)
 
+    def finish(self) -> None:
+        """Nothing: a step of this engine that times out is final (it raised), none stays in flight."""
+        self.check()
+
     def _run(self, scale: float, skip: bool, active: bool) -> int:
         """One step's collectives: reduce, clip, apply the owned shards, gather. ``active`` False: this
         rank closed and joins the others' step with nothing to push (Note [Joining]). Returns how many

@@ -74,6 +74,11 @@ class EngineProtocol(Protocol):
         GradScaler scale the gradients still carry; ``found_inf``: nothing of this step is applied."""
         ...
 
+    def finish(self) -> None:
+        """Finish a step whose wait timed out (waiting again, at most the timeout) and install its
+        answer; nothing when no step is in flight."""
+        ...
+
     def close(self) -> None:
         """Drain, serve the others until every rank closed, install the final values, stop. After a
         failure: stop, and raise it unless a call already did. Idempotent."""

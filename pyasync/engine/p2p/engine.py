@@ -313,6 +313,12 @@ class Engine:
         self.in_flight = t
         self._finish(t)
 
+    def finish(self) -> None:
+        """Finish a step whose wait timed out, if any (the protocol's ``finish``)."""
+        self.check()
+        if self.in_flight is not None:
+            self._finish(self.in_flight)
+
     def _finish(self, t: int) -> None:
         """Wait until step ``t``'s pushes are sent (and, gated, its norm is agreed) and, as the policy says,
         answered; then install and move to the next clock."""
