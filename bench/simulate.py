@@ -1,9 +1,12 @@
-"""Discrete-event scale model of DDP and pyasync's policies (BSP, SSP(s), ASP, Quorum(k)): samples/s,
-staleness and waiting for n = 8 to 1024 workers under stragglers, calibrated from this repository's
-measurements and checked against its measured 4-worker end-to-end runs (GitHub issue 14, part 3).
+"""Discrete-event scale model of DDP and pyasync's policies (BSP, SSP(s), ASP, Quorum(k), local steps):
+samples/s, staleness and waiting for n = 8 to 1024 workers under stragglers, calibrated from this
+repository's measurements and checked against its measured 4-worker end-to-end runs (GitHub issue 14,
+part 3).
 
     python bench/simulate.py --out bench/results/simulate.json --plot bench/results/simulate   # the grid
     python bench/simulate.py --n 8,64,512 --systems ddp,asp,quorum:n-1 --scenarios one-slow --link 10g
+    python bench/simulate.py --n 8,64,512,1024 --scenarios one-slow --link 10g \\
+        --systems ddp,asp,quorum:n-1,local:16,local:16:quorum:n-1,local:16:async     # local steps
     python bench/simulate.py --check bench/results/e2e_cpu bench/results/e2e_cpu_wide \\
         bench/results/e2e_cpu_wide_1gbps --check-out check.json        # predicted vs measured, 4 workers
 
@@ -42,11 +45,21 @@ Note [The model]
       push frames are free (at most ``--window`` pushes in flight on its link, the engine's send rings);
       it installs the newest answer that has arrived (this is ``asp:unanswered=inf``; the engine's
       default ``asp`` also waits for the answers to its last push, as SSP waits for its own, which
-      the model does not cover yet). **Quorum(k)** applies round v at the k-th push
-      computed on version v; a push computed on an older version is dropped and answered at once with the
-      newest values (the late worker catches up); a worker waits for a version newer than the one it
-      pushed on. When fewer than k workers are left (closed), a round needs what can still come.
+      the model has only as the outer policy of ``local:H:async``, below). **Quorum(k)** applies round v
+      at the k-th push computed on version v; a push computed on an older version is dropped and answered
+      at once with the newest values (the late worker catches up); a worker waits for a version newer than
+      the one it pushed on. When fewer than k workers are left (closed), a round needs what can still come.
       **bsp:p2p** is Quorum(n).
+    * **Local steps** (``local:H``, ``local:H:quorum:K``, ``local:H:async``; pyasync.Local, Note [Local
+      steps] in pyasync/local.py): a step that is not an H-th one is compute only: the device phase and
+      the inner optimizer step on the worker (``local_host_s``: ``apply:none`` on M, the update DDP's step
+      also pays), no push and no wait. Every H-th step also pays that, forms the pseudo-gradient and keeps
+      the new anchor (two passes over M at the ``flatten`` rate, in ``host_c``), and pushes: a push of the
+      size and cost of its outer policy's gradient push, after which it waits as the outer policy says.
+      ``local:H``: BSP on collectives (the barrier and collective above, every H steps); ``local:H:quorum:K``:
+      Quorum(K); ``local:H:async``: ASP whose worker waits for every owner's answer to its push before its
+      next step (``max_unanswered=0``; kind ``asp:wait``: applied on arrival and answered at once as ASP,
+      awaited as SSP's answers are). So the bytes per step fall by H. Staleness counts outer updates.
     * Staleness of an applied push: versions applied to the shard between the one the push was computed
       on (the newest answer the worker had installed when its step started) and the push's own apply,
       as pyasync's ``Stats.staleness``. Under ASP with n equal workers and no costs it is n - 1.
@@ -55,7 +68,9 @@ Note [The model]
       step computed (Quorum's dropped pushes included, as the e2e benchmark does); ``applied_samples_per_s``
       leaves the dropped ones out. For the grid, ``samples_per_s`` is the steady rate between the 20% and
       80% marks of the budget (no start-up or tail); for ``--check`` it is the budget over the makespan
-      (last worker done, every push applied and answered), as e2e.py measures it.
+      (last worker done, every push applied and answered), as e2e.py measures it. Local steps count as
+      steps (each is ``batch`` samples); a local policy's grid budget is H times the others', so that its
+      workers make as many pushes as the others' make steps.
     * **Processor sharing** (``cores``, the check's 4 workers on 2 cores): host work is CPU work shared
       by every worker in a host phase: with ``a`` such workers on ``cores`` cores each progresses at rate
       ``min(1, cores / a)``. A sleeping (device phase) or waiting worker uses no CPU and lends its share
@@ -74,6 +89,11 @@ Note [Round rules]
     and the order of one batch of answers on the owner's link (by clock, then rank, as the answers
     queue). A worker's CLOSE reaches the owner after its last push (it follows the pushes on the same
     connection), which matters under ASP, where a worker may close while its last push is on the way.
+    A local policy's owner runs ``pyasync.Local(H, mode, k).round(n, 1)``, which is its outer policy's
+    machine (Local.round delegates to Local.outer(): ASP's PushRound for ``local:H:async``, Quorum(k)'s
+    AggregateRound for ``local:H:quorum:K``; ``local:H`` on collectives has the barrier instead), driven
+    with one event per push: ``Round.push(w, clock, version)`` where the clock counts the worker's pushes
+    (outer steps), not its steps; the local steps in between reach no owner.
     DDP and BSP on collectives have no owner: their rule is the barrier above. The rules the model
     used to re-implement here (an incremental minimum for SSP, a member count for Quorum) gave the same
     records to the last digit on the grid (n = 8 to 512, every policy and scenario; n = 1024 spot-checked)
@@ -120,6 +140,9 @@ receive-side contention and switch congestion (only each sender's link is a queu
 communication with the backward pass (pushes and all-reduces start when compute ends); owners that are
 not symmetric (one representative owner); the reply lag of pyasync's threads on an oversubscribed
 machine (so the check's ASP staleness is lower than measured); Quorum's ``late="fold"``; failures.
+For local steps it models time only: not what H local steps do to convergence per sample (it counts a
+local step's samples as a synchronous step's), not the outer optimizer beyond one apply per push or
+round, not ``elastic`` (outer BSP point to point) nor ``--check`` of measured local runs.
 """
 
 from __future__ import annotations
@@ -276,13 +299,18 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A system: ``kind`` is ddp, bsp (on collectives), bsp:p2p, ssp, asp or quorum."""
+    """A system: ``kind`` is ddp, bsp (on collectives), bsp:p2p, ssp, asp, quorum or asp:wait (ASP whose
+    worker waits for the answers to its push: the outer policy of ``local:H:async``). Local steps
+    (``local`` set: "sync", "quorum" or "async") push every ``local_steps``-th step only, under the
+    outer policy's ``kind`` (bsp, quorum, asp:wait)."""
 
     spec: str
     kind: str
     staleness: int = 0  # SSP's s
     quorum: int = 0  # Quorum's k
     codec: str = "none"
+    local: str = ""  # Local's mode ("sync", "quorum", "async"); "" for the per-step policies
+    local_steps: int = 1  # Local's H: steps per push
 
     @property
     def synchronous(self) -> bool:
@@ -295,11 +323,27 @@ class Policy:
 
     @property
     def family(self) -> str:
-        return {"bsp:p2p": "bsp"}.get(self.kind, self.kind)
+        return "local" if self.local else {"bsp:p2p": "bsp"}.get(self.kind, self.kind)
+
+    @property
+    def resolved(self) -> str:
+        """The spec with n-relative sizes resolved (``quorum:7``, ``local:16:quorum:7``), no codec."""
+        if self.local:
+            outer = {"sync": "", "quorum": f":quorum:{self.quorum}", "async": ":async"}[self.local]
+            return f"local:{self.local_steps}{outer}"
+        return (
+            self.kind
+            + (f":{self.staleness}" if self.kind == "ssp" else "")
+            + (f":{self.quorum}" if self.kind == "quorum" else "")
+        )
 
     def round(self, n: int) -> Round | None:
         """The owner's state machine of one shard, pyasync's own (pyasync/engine/core/round.py), for the
-        point-to-point kinds; None for DDP and BSP on collectives (a barrier, no owner)."""
+        point-to-point kinds; None for DDP and BSP on collectives (a barrier, no owner). A local policy's
+        is ``pyasync.Local(...).round(n, 1)``: its outer policy's machine."""
+        if self.local and not self.barrier:
+            k = self.quorum if self.local == "quorum" else 0
+            return pyasync.Local(self.local_steps, mode=self.local, k=k).round(n, 1)
         pol = {
             "bsp:p2p": lambda: pyasync.BSP(p2p=True),
             "ssp": lambda: pyasync.SSP(self.staleness),
@@ -311,7 +355,8 @@ class Policy:
 
 def parse_policy(spec: str, n: int) -> Policy:
     """``ddp``, ``ddp+fp16``, ``bsp``, ``bsp:p2p``, ``ssp:S``, ``asp``, ``quorum:K`` (``K`` may be ``n``,
-    ``n-1``, ``n-J``), each optionally ``+CODEC`` (int8, int8:64, topk:0.01, fp16, bf16, sign)."""
+    ``n-1``, ``n-J``), ``local:H``, ``local:H:quorum:K``, ``local:H:async``, each optionally ``+CODEC``
+    (int8, int8:64, topk:0.01, fp16, bf16, sign)."""
     name, _, codec = spec.strip().lower().partition("+")
     codec = codec or "none"
     wire_bytes_per_element(codec)  # validates
@@ -321,11 +366,9 @@ def parse_policy(spec: str, n: int) -> Policy:
             raise ValueError(f"{spec!r}: DDP takes no compression but fp16/bf16")
         return Policy(spec, "ddp", codec=codec)
     if head == "quorum":  # n-relative sizes first: pyasync.parse_policy reads quorum:K only
-        a = arg.replace(" ", "")
-        if a == "n":
-            name = f"quorum:{n}"
-        elif a.startswith("n-") and a[2:].isdigit():
-            name = f"quorum:{n - int(a[2:])}"
+        name = f"quorum:{_n_relative(arg, n)}"
+    if head == "local":
+        return _local_policy(spec, arg, codec, n)
     pol = _pyasync_policy(spec, name)
     if isinstance(pol, pyasync.BSP):
         return Policy(spec, "bsp:p2p" if pol.p2p else "bsp", codec=codec)
@@ -338,11 +381,41 @@ def parse_policy(spec: str, n: int) -> Policy:
     return Policy(spec, "asp", codec=codec)
 
 
+def _n_relative(size: str, n: int) -> str:
+    """A size that may be ``n`` or ``n-J`` (quorum:n-1) as an integer's text; other text unchanged."""
+    a = size.replace(" ", "")
+    if a == "n":
+        return str(n)
+    if a.startswith("n-") and a[2:].isdigit():
+        return str(n - int(a[2:]))
+    return size
+
+
+def _local_policy(spec: str, arg: str, codec: str, n: int) -> Policy:
+    """``local:H`` (outer BSP on collectives), ``local:H:quorum:K`` (``K`` may be n-relative; outer
+    Quorum(k)) or ``local:H:async`` (outer ASP that waits for its own answers), read by
+    ``pyasync.parse_policy`` (no ``lr=``/``momentum=`` options: they change no time)."""
+    parts = arg.split(":")
+    if len(parts) == 3 and parts[1] == "quorum":
+        parts[2] = _n_relative(parts[2], n)
+    name = "local:" + ":".join(parts)
+    usage = "local:H, local:H:quorum:K, local:H:async (+codec), without options"
+    if "=" in name:
+        raise ValueError(f"policy {spec!r}: the model knows {usage}")
+    try:
+        pol = pyasync.parse_policy(name)
+        pol.validate(n)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"policy {spec!r}: {e}; the model knows {usage}") from None
+    kind = {"sync": "bsp", "quorum": "quorum", "async": "asp:wait"}[pol.mode]
+    return Policy(spec, kind, quorum=pol.k, codec=codec, local=pol.mode, local_steps=pol.steps)
+
+
 def _pyasync_policy(spec: str, name: str) -> Any:
     """``pyasync.parse_policy(name)`` for :func:`parse_policy`, restricted to what the model models:
     BSP (collectives or ``p2p``), SSP(s), ASP and Quorum(k) without options (``:inverse``, ``:fold``,
     ``key=value``); ValueError naming ``spec`` otherwise."""
-    usage = "ddp, bsp, bsp:p2p, ssp:S, asp, quorum:K (+codec)"
+    usage = "ddp, bsp, bsp:p2p, ssp:S, asp, quorum:K, local:H[:quorum:K|:async] (+codec)"
     try:
         pol = pyasync.parse_policy(name)
     except (ValueError, TypeError) as e:
@@ -441,14 +514,26 @@ class Costs:
     owner_round_s: float = 0.0  # per round (BSP/Quorum)
     extra_only: bool = False
     bytes_per_step: float = 0.0  # what a rank sends per step (model), for the records
+    local_host_s: float = 0.0  # local policies: CPU work of every step (the inner optimizer step)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def model_costs(policy: Policy, n: int, work: Workload, link: Link, kernels: Mapping[str, float]) -> Costs:
-    """The grid's costs (Note [The model], Note [Calibration]): device compute ``c``, link and kernels."""
+    """The grid's costs (Note [The model], Note [Calibration]): device compute ``c``, link and kernels. A
+    local policy's push costs what its outer policy's does; on top, every step runs the inner optimizer
+    on the worker (``apply:none`` on M, as DDP's step) and each push computes the pseudo-gradient and
+    keeps the new anchor (two passes over M at the ``flatten`` rate); its bytes per step fall by H."""
     m = float(work.params)
+    if policy.local:
+        outer = model_costs(dataclasses.replace(policy, local="", local_steps=1), n, work, link, kernels)
+        return dataclasses.replace(
+            outer,
+            host_c_s=outer.host_c_s + 2 * kernels["flatten"] * m,
+            local_host_s=kernels["apply:none"] * m,
+            bytes_per_step=outer.bytes_per_step / policy.local_steps,
+        )
     codec = policy.codec.split(":")[0]
     r = wire_bytes_per_element(policy.codec)
     beta, lat = link.beta_s_per_byte, link.latency_s
@@ -479,7 +564,7 @@ def model_costs(policy: Policy, n: int, work: Workload, link: Link, kernels: Map
     reply_bytes = m / n * 4.0 + b * hdr
     push = (n - 1) * b * link.alpha_p2p_s + push_bytes * beta
     reply = b * link.alpha_p2p_s + reply_bytes * beta
-    if policy.kind in ("ssp", "asp"):
+    if policy.kind in ("ssp", "asp", "asp:wait"):
         owner_push, owner_round = kernels["apply:" + codec] * m / n, 0.0
     else:
         owner_push, owner_round = kernels["decode:" + codec] * m / n, kernels["apply:none"] * m / n
@@ -559,6 +644,7 @@ class _Sim:
     ) -> None:
         self.p, self.n, self.c = policy, n, costs
         self.kind = policy.kind
+        self.H = policy.local_steps  # steps per push (local steps; 1 for the others)
         self.factors_fn = factors
         self.frows: list[list[float]] = factors(steps0).tolist()  # per worker, extended on demand
         self.budget, self.batch, self.cores, self.window = budget, batch, cores, window
@@ -581,7 +667,7 @@ class _Sim:
             [] for _ in range(n)
         ]  # ASP: answers on their way (heaps)
         self.departs: list[deque] = [deque() for _ in range(n)]
-        self.push_times: list[float] = []
+        self.push_times: list[float] = []  # when each step's compute ended (a push, or a local step)
         # links (every rank's sending link) and the representative owner
         self.tx = np.zeros(n)
         self.buf = np.zeros(n)
@@ -637,7 +723,10 @@ class _Sim:
             elif kind == _CPU:
                 cpu_event(a, b, c)
             elif kind == _DEV:
-                self.cpu_add(a, 0, self.c.host_c_s)
+                if self.local_step(a):
+                    self.cpu_add(a, 2, self.c.local_host_s)
+                else:
+                    self.cpu_add(a, 0, self.c.host_c_s + self.c.local_host_s)
             elif kind == _BARRIER:
                 self.barrier_done()
             else:
@@ -701,10 +790,21 @@ class _Sim:
             self.cpu_schedule()
         if phase == 0:
             self.push(w)
+        elif phase == 2:
+            self.local_done(w)
         else:
             self.host_done(w)
 
     # -- a worker's step
+    def local_step(self, w: int) -> bool:
+        """Is w's current step a local one (no push: not every H-th)?"""
+        return self.H > 1 and self.steps[w] % self.H != 0
+
+    def local_done(self, w: int) -> None:
+        """A local step's compute is done: no push, no wait, the next step starts."""
+        self.push_times.append(self.now)
+        self.start(w)
+
     def start(self, w: int) -> None:
         if self.is_ready[w]:
             self.is_ready[w] = False
@@ -728,8 +828,10 @@ class _Sim:
             self.trace["starts"].append((self.now, w, k, self.read[w]))
         f = self.factor(w, k)
         d = max(self.c.device_s * ((f - 1.0) if self.c.extra_only else f), 0.0)
-        if self.cores is None:  # no sharing: the device and the first host phase in one event
-            t = self.now + d + self.c.host_c_s
+        if self.cores is None and self.local_step(w):  # compute only (the device and the inner step)
+            self.at(self.now + d + self.c.local_host_s, _CPU, w, 2, -1)
+        elif self.cores is None:  # no sharing: the device and the first host phase in one event
+            t = self.now + d + self.c.host_c_s + self.c.local_host_s
             dq = self.departs[w]
             if len(dq) >= self.window and dq[-self.window] > t:  # its send frames are still busy then
                 self.wait[w] += dq[-self.window] - t
@@ -739,8 +841,8 @@ class _Sim:
             self.at(self.now + d, _DEV, w)
 
     def push(self, w: int) -> None:
-        """Worker w's compute of its current step is done: send it."""
-        k = self.steps[w] - 1
+        """Worker w's compute of its current step is done: send it (its clock counts pushes: outer steps)."""
+        k = self.steps[w] // self.H - 1
         if self.p.barrier:
             if self.c.own_link_s > 0:
                 start = max(self.now, float(self.tx[w]))
@@ -795,7 +897,7 @@ class _Sim:
     def try_continue(self, w: int) -> None:
         if not self.is_ready[w] or self.closed[w]:
             return
-        if self.kind != "asp" and self.answered[w] < self.steps[w] - 1:
+        if self.kind != "asp" and self.answered[w] < self.steps[w] // self.H - 1:
             return  # waits for the answer to its push
         self.start(w)
 
@@ -830,7 +932,7 @@ class _Sim:
         """Worker w's push of clock k, computed on version ``ver``, reaches the owner: its Round decides
         (Note [Round rules]); the model adds the owner's time."""
         rnd = self.round
-        if self.kind in ("ssp", "asp"):  # applied on arrival, a FIFO server: answers once it is applied
+        if self.kind in ("ssp", "asp", "asp:wait"):  # applied on arrival, a FIFO server: answers once applied
             done = max(self.now, self.srv) + self.c.owner_push_s
             self.srv = done
             self.staleness.append(rnd.version - ver)
@@ -991,16 +1093,17 @@ def run_grid(
     window: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per (scenario, n, policy) of the scale model (Note [The model], Note [Calibration])."""
+    """One record per (scenario, n, policy) of the scale model (Note [The model], Note [Calibration]). A
+    local policy's budget is H times the others' (as many pushes per worker as they make steps)."""
     records: list[dict[str, Any]] = []
     base = {"link": link.as_dict(), "kernels_source": KERNELS_SOURCE, "workload": dataclasses.asdict(work)}
     for sname in scenarios:
         scen = scenario(sname)
         for n in ns:
-            budget = grid_budget(n, min_steps, worker_steps)
             rows = []
             for spec in policies:
                 pol = parse_policy(spec, n)
+                budget = grid_budget(n, min_steps * pol.local_steps, worker_steps * pol.local_steps)
                 costs = model_costs(pol, n, work, link, kernels)
                 codec = pol.codec.split(":")[0]
                 used = (
@@ -1023,9 +1126,7 @@ def run_grid(
                         "scenario_about": scen.about,
                         "n": n,
                         "policy": spec,
-                        "policy_resolved": pol.kind
-                        + (f":{pol.staleness}" if pol.kind == "ssp" else "")
-                        + (f":{pol.quorum}" if pol.kind == "quorum" else ""),
+                        "policy_resolved": pol.resolved,
                         "compression": pol.codec,
                         "samples_per_s": res.window_samples_per_s,
                         "samples_per_s_vs_ddp": None,
@@ -1366,7 +1467,10 @@ def check_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # Plots
 
-_COLORS = {"ddp": "black", "bsp": "tab:blue", "ssp": "tab:orange", "asp": "tab:green", "quorum": "tab:red"}
+_COLORS = {
+    "ddp": "black", "bsp": "tab:blue", "ssp": "tab:orange", "asp": "tab:green", "quorum": "tab:red",
+    "local": "tab:purple",
+}  # fmt: skip
 
 
 def plot_grid(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:
@@ -1452,7 +1556,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="DIR", help="write the grid's PNGs (samples/s against n) into DIR")
     ap.add_argument("--n", default="8,16,32,64,128,256,512,1024", help="worker counts")
     add_systems_option(ap, "--policies", default="ddp,bsp,ssp:1,ssp:3,asp,quorum:n-1",
-                       help="ddp, ddp+fp16, bsp, bsp:p2p, ssp:S, asp, quorum:K (K may be n-J), each +CODEC")
+                       help="ddp, ddp+fp16, bsp, bsp:p2p, ssp:S, asp, quorum:K (K may be n-J), local:H, "
+                       "local:H:quorum:K, local:H:async, each +CODEC")  # fmt: skip
     ap.add_argument("--scenarios", default="one-slow,lognormal:0.3,lognormal:0.6,pauses")
     ap.add_argument("--link", default="loopback", choices=sorted(LINKS))
     ap.add_argument("--bandwidth-gbps", type=_positive(float), help="override the link's bandwidth")

@@ -102,6 +102,110 @@ def test_quorum_n_equals_bsp_p2p():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Local steps: H steps of compute per push, under the outer policy's rules
+# ---------------------------------------------------------------------------------------------------
+
+LOCAL = ("local:16", "local:16:quorum:n-1", "local:16:async")
+
+
+@pytest.mark.parametrize(
+    "spec, outer",
+    # local:1:async's outer policy is ASP that waits for its own answers: SSP with no effective bound
+    [("local:1", "bsp"), ("local:1:quorum:n-1", "quorum:n-1"), ("local:1:async", "ssp:1000000")],
+)
+@pytest.mark.parametrize("scen", ["lognormal:0.3", "one-slow"])
+def test_local_with_one_step_equals_its_outer_policy(spec, outer, scen):
+    costs = S.Costs(
+        C, push_tx_s=0.004, reply_tx_s=0.001, latency_s=1e-4, owner_push_s=1e-4, owner_round_s=2e-4,
+        collective_s=0.003,
+    )  # fmt: skip
+    a = run(spec, 6, costs, scen, seed=2, trace=True)
+    b = run(outer, 6, costs, scen, seed=2, trace=True)
+    assert a.samples_per_s == b.samples_per_s and a.window_samples_per_s == b.window_samples_per_s
+    assert a.steps == b.steps and a.pushes_dropped == b.pushes_dropped
+    assert np.array_equal(a.staleness, b.staleness) and a.trace == b.trace
+
+
+@pytest.mark.parametrize("spec", LOCAL)
+def test_local_equal_workers_without_costs_push_every_h_steps(spec):
+    n, h = 4, 16
+    res = run(spec, n, S.Costs(C), budget=10 * h * n, trace=True)
+    assert res.samples_per_s == pytest.approx(n * BATCH / C, rel=1e-9)
+    assert res.steps == [10 * h] * n
+    assert res.pushes_applied + res.pushes_dropped == 10 * n  # one push per H steps
+    for w in range(n):  # each worker's pushes carry the outer clocks 0..9, at the end of every H-th step
+        assert [k for _, v, k in res.trace["pushes"] if v == w] == list(range(10))
+        times = [t for t, v, _ in res.trace["pushes"] if v == w]
+        assert times == pytest.approx([(i + 1) * h * C for i in range(10)], rel=1e-9)
+
+
+def test_local_async_staleness_counts_outer_steps():
+    """As ASP's: with equal workers each push sees the n - 1 others' of the round before (in pushes)."""
+    n = 5
+    res = run("local:16:async", n, S.Costs(C), budget=16 * 20 * n)
+    assert len(res.staleness) == 20 * n
+    assert np.all(res.staleness[n:] == n - 1)
+
+
+def test_local_bytes_fall_by_h_and_each_step_pays_the_inner_optimizer():
+    n, h, link = 64, 16, S.LINKS["10g"]
+    work = S.Workload()
+    for spec, outer in zip(LOCAL, ("bsp", "quorum:n-1", "asp")):
+        loc = S.model_costs(S.parse_policy(spec, n), n, work, link, S.KERNELS)
+        out = S.model_costs(S.parse_policy(outer, n), n, work, link, S.KERNELS)
+        assert loc.bytes_per_step == pytest.approx(out.bytes_per_step / h, rel=1e-12)
+        assert loc.local_host_s == pytest.approx(S.KERNELS["apply:none"] * work.params, rel=1e-12)
+        assert (loc.push_tx_s, loc.reply_tx_s, loc.collective_s) == (
+            out.push_tx_s, out.reply_tx_s, out.collective_s,
+        )  # fmt: skip
+        assert out.local_host_s == 0.0
+
+
+def test_one_slow_worker_halves_local_sync_but_not_local_async():
+    """local:16 meets at a barrier every 16 steps, so the 2x straggler halves it as it halves BSP;
+    local:16:async waits only for its own answers, so it loses half a worker, as ASP; quorum:n-1 too
+    (the straggler's pushes are late and dropped)."""
+    n = 8
+    sync = run("local:16", n, S.Costs(C), "one-slow", budget=16 * 10 * n)
+    assert sync.samples_per_s == pytest.approx(n * BATCH / (2 * C), rel=1e-9)
+    for spec in ("local:16:async", "local:16:quorum:n-1"):
+        res = run(spec, n, S.Costs(C), "one-slow", budget=16 * 100 * n)
+        assert res.window_samples_per_s == pytest.approx((n - 1 + 0.5) * BATCH / C, rel=0.01), spec
+        assert res.steps[-1] == pytest.approx(max(res.steps) / 2, rel=0.05)
+    assert run("local:16:quorum:n-1", n, S.Costs(C), "one-slow", budget=16 * 100 * n).pushes_dropped > 0
+
+
+def test_local_policies_parse():
+    pol = S.parse_policy("local:16:quorum:n-1", 8)
+    assert (pol.kind, pol.quorum, pol.local, pol.local_steps) == ("quorum", 7, "quorum", 16)
+    assert pol.resolved == "local:16:quorum:7" and not pol.synchronous
+    assert S.parse_policy("local:16", 8).kind == "bsp" and S.parse_policy("local:16", 8).synchronous
+    assert S.parse_policy("local:4:async+int8", 8).kind == "asp:wait"
+    assert S.parse_policy("local:4:async+int8", 8).codec == "int8"
+    assert type(S.parse_policy("local:4:async", 8).round(8)).__name__ == "PushRound"
+    assert S.parse_policy("local:4", 8).round(8) is None  # a barrier on collectives: no owner
+    for bad in ("local", "local:0", "local:16:quorum:9", "local:16:quorum:n-8", "local:16:lr=0.5",
+                "local:16:foo", "local:16:quorum"):  # fmt: skip
+        with pytest.raises(ValueError):
+            S.parse_policy(bad, 8)
+
+
+def test_cli_grid_local_policies(tmp_path):
+    out = tmp_path / "sim.json"
+    argv = ["--out", str(out), "--n", "8", "--policies", "ddp,quorum:n-1,local:16:quorum:n-1",
+            "--scenarios", "one-slow", "--worker-steps", "256", "--steps", "4", "--link", "10g"]  # fmt: skip
+    assert S.main(argv) == 0
+    recs = {r["policy"]: r for r in json.loads(out.read_text())}
+    for r in recs.values():
+        assert set(r) == GRID_FIELDS
+    loc, q = recs["local:16:quorum:n-1"], recs["quorum:n-1"]
+    assert loc["policy_resolved"] == "local:16:quorum:7"
+    assert loc["budget_steps"] == 16 * q["budget_steps"]  # as many pushes per worker as the others' steps
+    assert loc["bytes_per_step"] == pytest.approx(q["bytes_per_step"] / 16, rel=1e-12)
+    assert loc["samples_per_s_vs_ddp"] > q["samples_per_s_vs_ddp"]
+
+
+# ---------------------------------------------------------------------------------------------------
 # Processor sharing, ring, links
 # ---------------------------------------------------------------------------------------------------
 
