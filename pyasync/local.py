@@ -103,12 +103,17 @@ class LocalSteps:
 
     @torch.no_grad()
     def outer_step(self, push: Callable[[], None]) -> None:
-        """Put ``anchor - params`` in ``.grad``, ``push()`` it (the engine's step: it installs the new
-        values), take them as the anchor and give the user's gradients back."""
+        """Put ``anchor - params`` in ``.grad`` and the anchor back in the parameters (the worker holds
+        the anchor; its progress is the change it pushes), ``push()`` it (the engine's step: it installs
+        the new values), take them as the anchor and give the user's gradients back. The engine may read
+        the parameters during its step as what this worker holds (the collective engine's replica under
+        coded replies, Note [Compressed replies] in engine/collective/gather.py): they must be the
+        anchor then, not the replica's progress."""
         saved = [p.grad for p in self.params]
         try:
             for p, a in zip(self.params, self.anchor):
                 p.grad = a - p
+                p.copy_(a)
             push()
         except TimeoutError:
             self.pending = True  # in flight: the next step() finishes it (inner_step)

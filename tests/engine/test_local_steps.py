@@ -42,15 +42,18 @@ def _train(rank: int, world: int, policy: str, kind: str, steps: int = T, **kw) 
     opt = pyasync.DistributedOptimizer(
         _inner([w], kind), policy=policy, timeout=datetime.timedelta(seconds=60), **kw
     )
+    outer = []  # the values right after each outer step
     for t in range(steps):
         opt.zero_grad()
         _loss(w, rank, t).backward()
         before = w.grad.clone()
         opt.step()
         assert torch.equal(w.grad, before), "the user's gradient must be left as backward() made it"
+        if (t + 1) % H == 0:
+            outer.append(w.detach().clone())
     clock = opt.engine.clock
     opt.close()
-    return {"w": w.detach().clone(), "clock": clock, "sent": opt.stats().pushes_sent}
+    return {"w": w.detach().clone(), "clock": clock, "sent": opt.stats().pushes_sent, "outer": outer}
 
 
 OUTER_LR, OUTER_MU = pyasync.Local(H).outer_lr, pyasync.Local(H).outer_momentum  # 0.5, 0.8
@@ -110,6 +113,8 @@ def test_quorum_asynchronous_and_compressed_local_steps_train_to_equal_replicas(
     for r in res:
         assert r["clock"] == steps // H
         assert torch.equal(r["w"], res[0]["w"]), "replicas differ"
+        if policy == "local:4":  # synchronous: every worker installs the same values at each outer step
+            assert all(torch.equal(a, b) for a, b in zip(r["outer"], res[0]["outer"], strict=True))
         assert torch.isfinite(r["w"]).all()
     assert (res[0]["w"] - TARGET).norm() < 0.3 * TARGET.norm()  # measured with 0.7 and 0.9: async 0.18
 
