@@ -35,11 +35,11 @@ from pyasync.engine.collective.engine import CollectiveEngine
 from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.stats import Stats
 from pyasync.engine.p2p.engine import Engine
-from pyasync.local import LocalSteps, outer_optimizer
+from pyasync.local import LocalSteps, SpeedBoard, outer_optimizer
 from pyasync.policy import Local, Policy, parse_policy
 from pyasync.session.bootstrap import handshake, tell_peers
 from pyasync.session.epoch import Epoch, Setup, abandon, release_control, start_epoch, stop_engine
-from pyasync.session.meet import collective_failure, global_ranks
+from pyasync.session.meet import collective_failure, global_ranks, store
 from pyasync.session.membership import EpochChange, change_epoch
 from pyasync.transport.base import Transport
 
@@ -219,7 +219,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self._guard()
         #: Local steps' worker side (pyasync/local.py), None under every other policy.
-        self.local_steps = LocalSteps(local, self._setup.params, clip) if local else None
+        self.local_steps = LocalSteps(local, self._setup.params, clip, self._board(local)) if local else None
         self._unhook()
         _WRAPPERS[optimizer] = weakref.ref(self)
 
@@ -231,6 +231,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+
+    def _board(self, local: Local) -> SpeedBoard | None:
+        """Local(adaptive=True): the workers' speeds, in the store under this epoch's prefix (Note
+        [Dynamic local steps] in pyasync/local.py); None with one worker or no store."""
+        ep = self._epoch
+        st = store() if local.adaptive and ep.world > 1 else None
+        return SpeedBoard(st, f"{ep.key}/e{ep.number}/speed", ep.rank, ep.world) if st is not None else None
 
     def _unhook(self) -> None:
         """Local steps: the engine reads ``.grad`` only at the outer steps (Note [Local steps]), so the
@@ -297,6 +304,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._unhook()
         if local is not None:
             local.unpark(progress)
+            local.board = self._board(local.policy)
         release_control(old)  # the old epoch's own group (its engine has stopped)
         self._epochs.append(change)
 
@@ -512,11 +520,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's shard: master values, optimizer state, residuals and clocks (tensors only, plus
         plain numbers and strings), for pyasync's checkpoints. Call between steps."""
-        if self.local_steps is not None:
-            raise NotImplementedError(
-                f"state_dict() under local steps (policy {self.policy.spec()!r}) is not supported yet; "
-                "see pyasync.save_checkpoint's message"
-            )
         eng = self.engine
         ep, comp = self._epoch, self._setup.compressor
         shards = eng.shards.snapshot()
@@ -533,6 +536,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
         if comp.momentum is not None:  # momentum-corrected top-k: the workers' velocities
             sd["velocities"] = comp.velocity_state_dict()
+        if self.local_steps is not None:  # Note [Checkpoints under local steps] in pyasync/local.py
+            sd["local"] = self.local_steps.state_dict(self.optimizer)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -565,6 +570,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
             for k, v in saved.items():
                 g[k] = v
+
+    def load_local_state(self, state_dict: dict) -> None:
+        """Under local steps: restore this worker's replica, anchor, step counts and inner optimizer state
+        from ``state_dict["local"]`` (what state_dict() saved; Note [Checkpoints under local steps] in
+        pyasync/local.py). Call after the global values are installed in the parameters, as
+        load_checkpoint does; a no-op under every other policy."""
+        if self.local_steps is None:
+            return
+        if "local" not in state_dict:
+            raise ValueError(
+                f"state_dict holds no local-steps state (saved under another policy), this optimizer runs "
+                f"{self.policy.spec()!r}"
+            )
+        self.local_steps.load_state_dict(state_dict["local"], self.optimizer)
 
     def __repr__(self) -> str:
         return (

@@ -453,16 +453,27 @@ class Local(Policy):
     workers' changes, as Quorum(k), later ones dropped; ``local:H:quorum:K``) or "async" (each change
     applied on arrival with the delayed Nesterov outer step, Note [Delayed Nesterov]; ``local:H:async``).
     The worker side is pyasync/local.py (Note [Local steps]); the round machine is the outer policy's
-    (:meth:`outer`)."""
+    (:meth:`outer`). ``adaptive``: each worker's number of steps per outer step follows its measured
+    speed, H for the fastest, fewer for slower ones, so that they all arrive together (dynamic local
+    updates, Note [Dynamic local steps] in pyasync/local.py; ``local:H:async:adaptive``)."""
 
     steps: int = 16
     mode: str = "sync"
     k: int = 0
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         check_int("Local steps", self.steps, lo=1)
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"Local adaptive must be a bool, got {self.adaptive!r}")
+        if self.adaptive and self.mode == "sync":
+            raise ValueError(
+                "Local adaptive=True needs mode='async' or 'quorum' ('local:H:async:adaptive'): a slower "
+                "worker takes fewer steps per outer step, so it reaches more outer steps than the others "
+                "in the same number of step() calls, and a synchronous outer step waits for every worker"
+            )
         if self.mode not in _LOCAL_MODES:
             raise ValueError(f"Local mode must be one of {_LOCAL_MODES}, got {self.mode!r}")
         lr, mu = LOCAL_OUTER_DEFAULTS[self.mode]
@@ -496,6 +507,7 @@ class Local(Policy):
     def spec(self) -> str:
         out = f"local:{self.steps}"
         out += f":quorum:{self.k}" if self.mode == "quorum" else ":async" if self.mode == "async" else ""
+        out += ":adaptive" if self.adaptive else ""
         lr, mu = LOCAL_OUTER_DEFAULTS[self.mode]
         out += f":lr={self.outer_lr:g}" if self.outer_lr != lr else ""
         return out + (f":momentum={self.outer_momentum:g}" if self.outer_momentum != mu else "")
@@ -550,7 +562,7 @@ def parse_policy(x: PolicyLike) -> Policy:
         "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
         "'lookahead=auto|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
         "'patience=auto|<seconds>|inf'; local steps: 'local:<H>', 'local:<H>:quorum:<k>', 'local:<H>:async', "
-        "with options 'lr=<outer lr>' and 'momentum=<outer momentum>'"
+        "each optionally ':adaptive', with options 'lr=<outer lr>' and 'momentum=<outer momentum>'"
     )
 
 
@@ -564,13 +576,18 @@ def _parse_local(args: list[str], opts: dict[str, str]) -> Policy:
         kw["outer_lr"] = float(opts["lr"])
     if "momentum" in opts:
         kw["outer_momentum"] = float(opts["momentum"])
+    if args and args[-1] == "adaptive":
+        kw["adaptive"] = True
+        args = args[:-1]
     if len(args) == 1:
         return Local(int(args[0]), **kw)
     if len(args) == 2 and args[1] == "async":
         return Local(int(args[0]), mode="async", **kw)
     if len(args) == 3 and args[1] == "quorum":
         return Local(int(args[0]), mode="quorum", k=int(args[2]), **kw)
-    raise ValueError("local takes its number of steps, then nothing, 'async' or 'quorum:<k>'")
+    raise ValueError(
+        "local takes its number of steps, then nothing, 'async' or 'quorum:<k>', then optionally 'adaptive'"
+    )
 
 
 def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:

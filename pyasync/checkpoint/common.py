@@ -82,6 +82,8 @@ class Target:
     describe: Callable[[], dict]  # what must match between a saving and a loading optimizer
     state_dict: Callable[[], dict]  # this rank's shard (DistributedOptimizer.state_dict)
     load_state_dict: Callable[[dict], None]  # DistributedOptimizer.load_state_dict
+    load_local_state: Callable[[dict], None]  # DistributedOptimizer.load_local_state (local steps)
+    local: Any  # pyasync.local.LocalSteps under local steps, else None
 
 
 #: What an object must have to be checkpointed (the DistributedOptimizer's public face).
@@ -100,13 +102,6 @@ def check_args(path: Any, opt: Any, what: str) -> tuple[str, Target]:
             f"{what}: the DistributedOptimizer is closed; save or load before close() (a closed "
             "optimizer's owner threads are stopped)"
         )
-    if opt.local_steps is not None:
-        raise NotImplementedError(
-            f"{what}: checkpoints under local steps (policy {opt.policy.spec()!r}) are not supported yet: "
-            "each worker's replica, anchor and inner optimizer state would have to be saved per rank. "
-            "Save the model's state_dict() right after an outer step (every H steps the replicas equal "
-            "the global values), or train with another policy"
-        )
     target = Target(
         rank=opt.rank,
         world=opt.world_size,
@@ -123,6 +118,8 @@ def check_args(path: Any, opt: Any, what: str) -> tuple[str, Target]:
         describe=opt.describe,
         state_dict=opt.state_dict,
         load_state_dict=opt.load_state_dict,
+        load_local_state=opt.load_local_state,
+        local=opt.local_steps,
     )
     return os.fspath(path), target
 

@@ -30,7 +30,7 @@ from pyasync.checkpoint.common import (
     collective,
 )
 from pyasync.checkpoint.reshard import reshard
-from pyasync.checkpoint.validate import compare, read_manifest, read_shard
+from pyasync.checkpoint.validate import check_local, compare, read_manifest, read_shard
 
 __all__ = ["load_checkpoint"]
 
@@ -44,8 +44,12 @@ def _validate(d: str, t: Target) -> tuple[dict, str]:
     mpath = os.path.join(d, MANIFEST)
     compare(mpath, m, t)
     if m["world_size"] == t.world:
-        return read_shard(d, mpath, m, t.rank, t.world, t.layouts, t.param_groups), m["save_id"]
-    return reshard(d, mpath, m, t), m["save_id"]
+        sd = read_shard(d, mpath, m, t.rank, t.world, t.layouts, t.param_groups)
+    else:
+        sd = reshard(d, mpath, m, t)
+    if t.local is not None:
+        check_local(mpath, sd, t)
+    return sd, m["save_id"]
 
 
 def _sid_int(save_id: str) -> int:
@@ -124,6 +128,7 @@ def load_checkpoint(path: str | os.PathLike, opt: Any) -> None:
         _install_held(t, held)
     else:
         _install_all(t)
+    t.load_local_state(sd)  # local steps: each worker's replica on top (Note [Checkpoints under local steps])
 
 
 def _held_of(sd: dict) -> dict[int, torch.Tensor] | None:

@@ -97,6 +97,9 @@ def reshard(d: str, mpath: str, m: dict, t: Target) -> dict:
     sd.update(rank=t.rank, world_size=t.world, shards=out_shards, residuals=residuals)
     if any("velocities" in x for x in sds):  # momentum-corrected top-k: re-sharded as the residuals
         sd["velocities"] = reshard_residuals(mpath, [x.get("velocities", {}) for x in sds], old_layouts, t)
+    if "local" in sd:  # Note [Checkpoints under local steps] in pyasync/local.py: no worker's progress
+        theirs = sds[t.rank % old_world]["local"]
+        sd["local"] = {"outer_steps": theirs.get("outer_steps"), "inner": theirs.get("inner")}
     check_state(mpath + " (re-sharded)", sd, t.param_groups, t.rank, t.world, t.layouts)
     return sd
 

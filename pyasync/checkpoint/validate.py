@@ -176,6 +176,49 @@ def check_state(fpath: str, sd: Any, param_groups: list[dict], rank: int, world:
             raise CheckpointError(f"{fpath}: param_groups[{i}] has different keys than this optimizer's")
 
 
+def _check_count(fpath: str, where: str, t: Any) -> None:
+    _check_tensor(fpath, where, t, 1, torch.int64)
+    if int(t) < 0:
+        raise CheckpointError(f"{fpath}: {where} is negative ({int(t)})")
+
+
+def _check_inner(fpath: str, inner: Any, param_groups: list[dict]) -> None:
+    """The inner optimizer's state_dict(): its groups hold as many parameters as this optimizer's."""
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or not isinstance(inner.get("state"), dict):
+        raise CheckpointError(f"{fpath}: local['inner'] is not an optimizer state_dict()")
+    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
+    mine = [len(g["params"]) for g in param_groups]
+    if sizes != mine:
+        raise CheckpointError(
+            f"{fpath}: local['inner'] holds param groups of {sizes} parameters, this optimizer's have {mine}"
+        )
+
+
+def check_local(mpath: str, sd: dict, t: Target) -> None:
+    """Under local steps: the worker's side of the state dict (Note [Checkpoints under local steps] in
+    pyasync/local.py), checked before anything is loaded. ``replica`` and ``anchor`` are absent when
+    re-sharded."""
+    fpath = f"{mpath} (rank {t.rank})"
+    loc = sd.get("local")
+    if not isinstance(loc, dict):
+        raise CheckpointError(f"{fpath}: holds no local-steps state (no 'local' dict)")
+    _check_count(fpath, "local['outer_steps']", loc.get("outer_steps"))
+    _check_inner(fpath, loc.get("inner"), t.param_groups)
+    if "replica" not in loc:
+        return
+    for name in ("inner_steps", "since", "target"):
+        _check_count(fpath, f"local[{name!r}]", loc.get(name))
+    for name in ("replica", "anchor"):
+        vals = loc.get(name)
+        if not isinstance(vals, list) or len(vals) != len(t.numels):
+            raise CheckpointError(f"{fpath}: local[{name!r}] must be a list of {len(t.numels)} tensors")
+        for i, (v, p) in enumerate(zip(vals, t.local.params, strict=True)):
+            _check_tensor(fpath, f"local[{name!r}][{i}]", v, p.numel(), p.dtype)
+            if tuple(v.shape) != tuple(p.shape) or not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"{fpath}: local[{name!r}][{i}] has another shape or holds NaN or Inf")
+
+
 def read_shard(
     d: str, mpath: str, m: dict, rank: int, world: int, layouts: list, param_groups: list[dict]
 ) -> dict:

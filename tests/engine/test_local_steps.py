@@ -185,25 +185,6 @@ def test_grad_scaler_and_clipping_act_on_the_inner_steps():
     assert not torch.allclose(clipped[0]["w"], plain[0]["w"]), "the clip did nothing"
 
 
-def _unsupported(rank: int, world: int, path: str) -> list[str]:
-    w = torch.nn.Parameter(torch.zeros(DIM))
-    opt = pyasync.DistributedOptimizer(_inner([w], "sgd"), policy="local:2")
-    out = []
-    for call in (lambda: pyasync.save_checkpoint(path, opt), opt.state_dict):
-        with pytest.raises(NotImplementedError) as e:
-            call()
-        out.append(str(e.value))
-    assert opt.policy.spec() == "local:2" and "local:2" in repr(opt)
-    opt.close()
-    return out
-
-
-def test_checkpoints_under_local_steps_say_they_are_not_supported(tmp_path):
-    msgs = run_workers(_unsupported, 2, args=(str(tmp_path),), timeout=60)[0]
-    assert "local steps" in msgs[0] and "outer step" in msgs[0]
-    assert "not supported yet" in msgs[1]
-
-
 def _slow_outer_step(rank: int, world: int, stall: bool) -> dict:
     """local:2:quorum:2 on 2 workers, timeout 2 s; ``stall``: rank 1 stalls 3.5 s before its second
     outer push, so rank 0's second outer step times out and rank 0 calls step() again."""
@@ -243,3 +224,57 @@ def test_an_outer_step_that_timed_out_is_finished_by_the_next_step_and_pushed_on
             assert torch.equal(r["anchors"][k], calm[0]["anchors"][k]), k
     torch.testing.assert_close(res[0]["w"], _local_reference(2, 8, 2), rtol=0, atol=0.01)
     torch.testing.assert_close(calm[0]["w"], _local_reference(2, 8, 2), rtol=1e-5, atol=1e-6)
+
+
+# -- dynamic local steps (Note [Dynamic local steps] in pyasync/local.py) ---------------------------------
+def test_the_speed_board_gives_slower_workers_fewer_steps():
+    import torch.distributed as dist
+
+    from pyasync.local import SpeedBoard
+
+    st = dist.HashStore()
+    fast, slow = SpeedBoard(st, "job/e0/speed", 0, 2), SpeedBoard(st, "job/e0/speed", 1, 2)
+    assert fast.steps(0.1, 16) == 16, "the other worker has not published: H"
+    assert slow.steps(0.2, 16) == 8 and fast.steps(0.1, 16) == 16
+    assert slow.steps(0.35, 16) == 5 and slow.steps(100.0, 16) == 1  # rounded, at least 1
+    assert fast.steps(float("nan"), 16) == 16 and fast.failures == 0  # nothing measured yet
+    st.set("job/e0/speed/0", "nonsense")
+    assert slow.steps(0.2, 16) == 16 and slow.failures == 1
+
+    class Broken:
+        def set(self, *a):
+            raise RuntimeError("store gone")
+
+    gone = SpeedBoard(Broken(), "job/e0/speed", 0, 2)
+    assert gone.steps(0.1, 16) == 16 and gone.failures == 1
+
+
+def _adaptive(rank: int, world: int, slow_s: float) -> dict:
+    """local:4:async:adaptive, 40 steps; rank 2 takes ``slow_s`` more per step (a slow device)."""
+    w = torch.nn.Parameter(torch.zeros(DIM))
+    opt = pyasync.DistributedOptimizer(
+        _inner([w], "sgd"), policy="local:4:async:adaptive", timeout=datetime.timedelta(seconds=60)
+    )
+    targets = []
+    for t in range(40):
+        if rank == 2:
+            time.sleep(slow_s)  # the emulated slow device: the quantity being adapted to
+        opt.zero_grad()
+        _loss(w, rank, t).backward()
+        opt.step()
+        targets.append(opt.local_steps.target)
+    loc = opt.local_steps
+    out = {"targets": targets, "outer": loc.outer_steps, "failures": loc.board.failures}
+    opt.close()
+    out["w"] = w.detach().clone()
+    return out
+
+
+def test_adaptive_local_steps_give_a_slow_worker_fewer_steps_per_outer_step():
+    res = run_workers(_adaptive, 3, args=(0.05,), timeout=120)
+    assert all(r["failures"] == 0 for r in res)
+    assert res[2]["targets"][-1] < H, res[2]["targets"]  # ~50 ms against a few ms: 1
+    assert res[0]["targets"][-1] == res[1]["targets"][-1] == H
+    assert res[2]["outer"] > res[0]["outer"] == 40 // H  # more outer steps for the same 40 step() calls
+    for r in res:
+        assert torch.equal(r["w"], res[0]["w"]) and torch.isfinite(r["w"]).all()

@@ -155,6 +155,9 @@ def test_exports():
         ("local:4:async", pyasync.Local(4, mode="async"), "asp:lookahead=off:clip=off"),
         ("local:4:async:lr=0.5:momentum=0", pyasync.Local(4, mode="async", outer_lr=0.5, outer_momentum=0.0),
          "asp:lookahead=off:clip=off"),
+        ("local:4:async:adaptive", pyasync.Local(4, mode="async", adaptive=True),
+         "asp:lookahead=off:clip=off"),
+        ("local:8:quorum:3:adaptive", pyasync.Local(8, mode="quorum", k=3, adaptive=True), "quorum:3"),
     ],
 )
 def test_local_steps_parse_and_pick_their_outer_policy(text, expected, outer):
@@ -177,6 +180,8 @@ def test_local_steps_parse_and_pick_their_outer_policy(text, expected, outer):
         ("local:4:lr=-1", "outer_lr"),
         ("local:4:momentum=1", "outer_momentum"),
         ("local:4:beta=1", "unknown option"),
+        ("local:4:adaptive", "needs mode='async' or 'quorum'"),
+        ("local:4:adaptive:async", "local takes"),
     ],
 )
 def test_local_steps_reject_bad_strings(bad, match):
