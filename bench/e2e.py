@@ -1,8 +1,9 @@
 """End-to-end benchmark: DDP (plain, fp16, PowerSGD), pyasync's policies with and without compression, and
-the peers hivemind and torchft, trained on the same data, model and seed, with equal workers, a persistent
-straggler and transient slowdowns (and, on request, heterogeneous speeds), optionally behind an emulated
-link of fixed bandwidth and on an emulated accelerator. The peers need their own venv
-(``bash bench/peers/setup.sh``; run this script with ``.venv-peers/bin/python``), else they are skipped.
+the peers hivemind and torchft (DDP-style, DiLoCo, LocalSGD), trained on the same data, model and seed,
+with equal workers, a persistent straggler and transient slowdowns (and, on request, heterogeneous
+speeds), optionally behind an emulated link of fixed bandwidth and on an emulated accelerator. The peers
+need their own venv (``bash bench/peers/setup.sh``; run this script with ``.venv-peers/bin/python``),
+else they are skipped.
 
     python bench/e2e.py --out e2e_out                    # everything (long; run on a quiet machine)
     python bench/e2e.py --out /tmp/e2e_quick --quick     # every system kind, a few minutes
@@ -110,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--systems",
         default=None,
-        help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind[:ROUND], torchft, or a pyasync "
-        "policy (bsp, ssp:S, asp, quorum:K, ...) optionally +int8, +topk:RATIO, +fp16, ... "
-        "(default: the 16 of docs/benchmarks.md)",
+        help="comma list: ddp, ddp+fp16, ddp+powersgd[:RANK], hivemind[:ROUND], torchft, "
+        "torchft-diloco[:H][:lr=X][:momentum=M] (torchft's DiLoCo, H inner steps per outer step, default 16; "
+        "outer Nesterov SGD, default lr 0.5, momentum 0.8 as local:H), torchft-localsgd[:H] (torchft's "
+        "LocalSGD), or a pyasync policy (bsp, ssp:S, asp, quorum:K, local:H, ...) optionally +int8, "
+        "+topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
         "--scenarios",

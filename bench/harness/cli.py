@@ -5,8 +5,9 @@ Note [One name for what to run]
 Every benchmark takes the systems it runs as ``--systems``: a comma-separated list of system specs,
 ``ddp`` or a pyasync policy as ``pyasync.parse_policy`` reads it (``bsp``, ``asp``, ``ssp:1``,
 ``quorum:3``, ...), optionally ``+COMPRESSION`` (``asp+int8``), plus what a script adds on top
-(bench/e2e.py's ``ddp+fp16`` and peers, bench/engine.py's ``@gloo`` transport suffix,
-bench/simulate.py's ``quorum:n-1``). The older spellings of the same option (``--modes`` in
+(bench/e2e.py's ``ddp+fp16`` and peers: ``hivemind[:ROUND]``, ``torchft``,
+``torchft-diloco[:H][:lr=X][:momentum=M]``, ``torchft-localsgd[:H]``; bench/engine.py's ``@gloo``
+transport suffix, bench/simulate.py's ``quorum:n-1``). The older spellings of the same option (``--modes`` in
 bench/engine.py, ``--policies`` in bench/capture.py, bench/faults.py and bench/simulate.py, ``--policy``
 in bench/soak.py) stay accepted as aliases of it, so documented commands and kept results' ``command``
 lines still run. Specs are checked by one parser, :func:`parse_system_specs` (built on
@@ -57,7 +58,8 @@ def parse_system_specs(
 ) -> list[BenchSystem]:
     """Every spec of a ``--systems`` string (see :func:`split_systems`) parsed by
     ``harness.workload.parse_system`` for ``workers`` ranks; ValueError naming the spec when one does
-    not parse or is of a kind (``ddp``, ``pyasync``, ``hivemind``, ``torchft``) not in ``kinds``."""
+    not parse or is of a kind (``ddp``, ``pyasync``, ``hivemind``, ``torchft``, ``torchft-diloco``,
+    ``torchft-localsgd``) not in ``kinds``."""
     from .workload import parse_system
 
     out = []

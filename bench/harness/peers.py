@@ -1,6 +1,7 @@
-"""The peers of the end-to-end benchmark: hivemind and torchft, each set up on one rank as its maintainers
-document it, counted and (torchft) put behind the emulated link like DDP. They need the peers' venv
-(``bash bench/peers/setup.sh``); nothing here is imported by pyasync itself.
+"""The peers of the end-to-end benchmark: hivemind and torchft (DDP-style, and its local-steps algorithms
+DiLoCo and LocalSGD), each set up on one rank as its maintainers document it, counted and (torchft) put
+behind the emulated link like DDP. They need the peers' venv (``bash bench/peers/setup.sh``); nothing
+here is imported by pyasync itself.
 
 Note [hivemind in the benchmark]
     ``hivemind`` trains with ``hivemind.Optimizer(use_local_updates=True)``, hivemind's asynchronous mode:
@@ -31,10 +32,33 @@ Note [Peers and the link]
     torchft's hook charges each all-reduce the wire time of its bytes on the rank's emulated link, exactly
     as DDP's does. hivemind's bytes leave through its daemon, which the emulation cannot throttle: with
     ``--bandwidth`` its record says ``"link": "not emulated"`` and the tables mark its rows.
+
+Note [torchft's local steps]
+    ``torchft-diloco:H`` and ``torchft-localsgd:H`` run ``torchft.local_sgd.DiLoCo`` and ``LocalSGD`` as
+    torchft's examples (``train_diloco.py``, ``train_localsgd.py``) and tests do: a context manager
+    entered around the ordinary loop (zero_grad, forward, backward, ``inner.step()``) that hooks the
+    inner optimizer's ``step``; every ``H``-th step its post-hook syncs. DiLoCo: ``start_quorum`` (a
+    synchronous quorum: DiLoCo refuses ``use_async_quorum=True``), an all-reduce (average) of each
+    parameter's pseudo-gradient ``anchor - params``, the parameters put back to the anchor, and, if the
+    manager commits, ``outer.step()`` on the averaged pseudo-gradients, the result the next anchor. The
+    outer optimizer is ``torch.optim.SGD(nesterov=True)`` at lr 0.5 and momentum 0.8 unless the spec
+    says otherwise (``torchft-diloco:16:lr=0.7:momentum=0.9``): pyasync's ``local:H`` defaults
+    (``LOCAL_OUTER_DEFAULTS["sync"]``), so the two compare at the same outer hyperparameters. LocalSGD
+    all-reduces (averages) the parameters themselves and installs them if the manager commits. Both
+    issue one ``manager.allreduce`` per parameter and wait on each Work: :class:`CountedAllreduce`,
+    installed as the manager's ``allreduce`` after the warm-up, counts each under the ring model (as
+    Note [Peer bytes]) and, with ``--bandwidth``, returns a :class:`LinkHeldWork` whose ``wait()`` also
+    waits until the link says its bytes have left (reserved when the all-reduce is issued, as DDP's hook
+    does, Note [DDP bytes and link time]). The replica groups, lighthouse and warm-up are the DDP-style
+    torchft's (:func:`torchft_replica`). A run's steps are per rank and equal on every rank (as DDP's),
+    so every rank takes the same syncs; inner steps after the last sync (``steps % H``) stay local, and
+    rank 0's accuracy is that of its own replica.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -53,7 +77,7 @@ from torch import nn
 
 from pyasync.demo.systems import ByteCount, Trainer
 
-from .workload import BenchConfig, make_optimizer
+from .workload import PEER_KINDS, BenchConfig, make_optimizer
 
 #: Steps of every peer in one hivemind epoch (one parameter-averaging round), see Note [hivemind in the
 #: benchmark]: 16 steps of the 100 ms emulated device is 1.6 s of compute per round.
@@ -65,9 +89,14 @@ HIVEMIND_AVERAGING_TIMEOUT_S = 30.0
 
 
 def peer_status(kind: str) -> str | None:
-    """None when the peer ``kind`` ("hivemind" or "torchft") imports here, else why not (one line)."""
-    if kind not in ("hivemind", "torchft"):
+    """None when the library of the peer ``kind`` (hivemind; torchft for "torchft", "torchft-diloco" and
+    "torchft-localsgd") imports here, else why not (one line)."""
+    if kind not in PEER_KINDS:
         raise ValueError(f"unknown peer kind {kind!r}")
+    if kind != "hivemind":
+        # torchft's Rust side logs every quorum at info, reading RUST_LOG when torchft is imported: set
+        # here, in the parent, before any (spawned) worker imports it.
+        os.environ.setdefault("RUST_LOG", "warn")
     try:
         if kind == "hivemind":
             import hivemind  # noqa: F401
@@ -89,9 +118,11 @@ def torchft_manager(
     lighthouse_addr: str,
     replica_id: str,
     heartbeat_interval: datetime.timedelta | None = None,
+    use_async_quorum: bool = True,
 ):
     """A torchft Manager for a replica group of one rank (gloo, every wait bounded by ``timeout``) whose
-    state is ``model`` and ``sgd``; the group's store serves on ``store_port`` of this host."""
+    state is ``model`` and ``sgd``; the group's store serves on ``store_port`` of this host.
+    ``use_async_quorum=False`` makes ``start_quorum`` wait for the quorum (what DiLoCo requires)."""
     import torchft
 
     kw = {} if heartbeat_interval is None else {"heartbeat_interval": heartbeat_interval}
@@ -111,6 +142,7 @@ def torchft_manager(
         replica_id=replica_id,
         hostname="127.0.0.1",
         init_sync=False,  # every replica starts from the same seeded model (torchft's advice)
+        use_async_quorum=use_async_quorum,
         **kw,
     )
 
@@ -347,17 +379,38 @@ class TorchftComm(ByteCount):
         self.link = link
 
 
-def torchft_trainer(
-    cfg: BenchConfig, model: nn.Module, rank: int, store: dist.Store, link: Link | None
-) -> Trainer:
-    """torchft for ``model``, DDP-style as its ``train_ddp.py`` example: every rank is a replica group of
-    one, with a ``Manager`` (gloo ``ProcessGroupGloo`` on CPU) that joins a quorum of all
-    ``cfg.workers`` replicas at the lighthouse (started by rank 0, in process) at every step;
-    ``torchft.DistributedDataParallel``'s hook all-reduces the gradients and ``torchft.Optimizer``
-    steps only when the manager commits. One warm-up quorum and all-reduce run before timing starts."""
-    import torchft
+@dataclasses.dataclass
+class TorchftReplica:
+    """One rank's torchft set-up, a replica group of one (:func:`torchft_replica`): its ``manager``, the
+    group's own TCP store (kept here so that it lives as long as the manager) and, on rank 0, the
+    ``lighthouse``."""
+
+    manager: Any
+    group_store: dist.TCPStore
+    lighthouse: Any = None
+
+    def shutdown(self) -> None:
+        """Stop the manager and (rank 0) the lighthouse: after the run's end barrier, so no replica still
+        asks for a quorum."""
+        self.manager.shutdown(wait=False)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+
+def torchft_replica(
+    cfg: BenchConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    store: dist.Store,
+    use_async_quorum: bool = True,
+) -> TorchftReplica:
+    """This rank as a torchft replica group of one: rank 0 starts the lighthouse (in process,
+    ``min_replicas`` = every rank) and publishes its address in ``store``; every rank hosts its group's
+    TCP store and builds a :func:`torchft_manager` whose state is ``model`` and ``opt``. Returns after a
+    warm-up quorum and all-reduce (the gloo rendezvous of the first quorum, not timed) has committed.
+    Every wait is bounded by ``cfg.timeout_s``."""
     from torchft.coordination import LighthouseServer
-    from torchft.process_group import ProcessGroupDummy
 
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     lighthouse = None
@@ -370,16 +423,41 @@ def torchft_trainer(
     lighthouse_addr = store.get("torchft").decode()
     # The replica group's own store (a group of one rank: this process hosts it).
     group_store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-    sgd = make_optimizer(cfg, model.parameters())  # SGD or AdamW (--optimizer), as every system
-
     manager = torchft_manager(
-        model, sgd, timeout, cfg.workers, group_store.port, lighthouse_addr, f"pyasync_rank{rank}"
+        model,
+        opt,
+        timeout,
+        cfg.workers,
+        group_store.port,
+        lighthouse_addr,
+        f"pyasync_rank{rank}",
+        use_async_quorum=use_async_quorum,
     )
+    replica = TorchftReplica(manager=manager, group_store=group_store, lighthouse=lighthouse)
     # Warm-up: the first quorum configures the process group (a gloo rendezvous of all replicas).
     manager.start_quorum()
     manager.allreduce(torch.zeros(1)).wait()
     if not manager.should_commit():
+        replica.shutdown()
         raise RuntimeError(f"torchft: rank {rank}'s warm-up step did not commit")
+    return replica
+
+
+def torchft_trainer(
+    cfg: BenchConfig, model: nn.Module, rank: int, store: dist.Store, link: Link | None
+) -> Trainer:
+    """torchft for ``model``, DDP-style as its ``train_ddp.py`` example: every rank is a replica group of
+    one, with a ``Manager`` (gloo ``ProcessGroupGloo`` on CPU) that joins a quorum of all
+    ``cfg.workers`` replicas at the lighthouse (started by rank 0, in process) at every step;
+    ``torchft.DistributedDataParallel``'s hook all-reduces the gradients and ``torchft.Optimizer``
+    steps only when the manager commits. One warm-up quorum and all-reduce run before timing starts
+    (:func:`torchft_replica`)."""
+    import torchft
+    from torchft.process_group import ProcessGroupDummy
+
+    sgd = make_optimizer(cfg, model.parameters())  # SGD or AdamW (--optimizer), as every system
+    replica = torchft_replica(cfg, model, sgd, rank, store)
+    manager = replica.manager
     comm = TorchftComm(manager, cfg.workers, link)
     # torchft.DistributedDataParallel's construction with its hook swapped for the counted one above.
     net = nn.parallel.DistributedDataParallel(
@@ -388,17 +466,121 @@ def torchft_trainer(
     net.register_comm_hook(comm, torchft_hook)
     opt = torchft.Optimizer(manager, sgd)
 
-    def shutdown() -> None:
-        manager.shutdown(wait=False)
-        if lighthouse is not None:
-            lighthouse.shutdown()
-
-    trainer = Trainer(net=net, opt=opt, ddp_bytes=comm, shutdown=shutdown)
+    trainer = Trainer(net=net, opt=opt, ddp_bytes=comm, shutdown=replica.shutdown)
     trainer.peer_info = lambda: {  # type: ignore[attr-defined]
         "min_replica_size": cfg.workers,
         "process_group": "torchft.ProcessGroupGloo",
         "bytes": "ring model of the all-reduced buckets, as DDP",
         "committed_steps": int(manager.current_step()),
         "batches_committed": int(manager.batches_committed()),
+    }
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchft's local steps: DiLoCo and LocalSGD (torchft.local_sgd)
+# ---------------------------------------------------------------------------------------------------
+
+
+class LinkHeldWork:
+    """A torchft all-reduce's Work whose ``wait()`` also returns no earlier than monotonic time ``at``,
+    when the emulated link says this rank's bytes of it have left (Note [torchft's local steps]).
+    ``get_future()`` is the all-reduce's own: torchft's local steps wait on the Work."""
+
+    def __init__(self, work: Any, at: float) -> None:
+        self.work = work
+        self.at = at
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        left = self.at - time.monotonic()
+        if left > 0:
+            time.sleep(left)  # the wire time of bytes already reserved: finite, set by the link
+        return done
+
+    def get_future(self) -> Any:
+        return self.work.get_future()
+
+
+class CountedAllreduce(ByteCount):
+    """``manager.allreduce`` counted under the ring model, as DDP's buckets are (Note [Peer bytes]), and
+    with a link held for its wire time: installed as the manager's ``allreduce``, which torchft's
+    DiLoCo and LocalSGD call once per parameter at every sync (Note [torchft's local steps])."""
+
+    def __init__(self, manager: Any, world: int, link: Link | None) -> None:
+        super().__init__(world)
+        self.allreduce = manager.allreduce  # the manager's own (bound) method
+        self.link = link
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent = self.count(tensor.numel() * tensor.element_size())
+        work = self.allreduce(tensor, *args, **kwargs)
+        if self.link is None:
+            return work
+        return LinkHeldWork(work, self.link.reserve(round(sent)))
+
+
+def torchft_local_trainer(
+    cfg: BenchConfig, model: nn.Module, rank: int, store: dist.Store, link: Link | None
+) -> Trainer:
+    """torchft's local steps for ``model`` (Note [torchft's local steps]): ``torchft.local_sgd.DiLoCo``
+    (``cfg.system.kind`` "torchft-diloco": ``peer_round`` inner steps of ``cfg``'s optimizer, then an
+    outer Nesterov SGD step on the averaged pseudo-gradients) or ``LocalSGD`` ("torchft-localsgd":
+    parameters averaged every ``peer_round`` steps), entered around the training loop as torchft's
+    examples do (``with DiLoCo(...)``: here entered now and exited by the trainer's ``shutdown``).
+    Every rank is a replica group of one (:func:`torchft_replica`)."""
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    system = cfg.system
+    diloco = system.kind == "torchft-diloco"
+    inner = make_optimizer(cfg, model.parameters())  # SGD or AdamW (--optimizer), as every system
+    # DiLoCo requires a synchronous quorum (it raises otherwise); LocalSGD runs with torchft's default.
+    replica = torchft_replica(cfg, model, inner, rank, store, use_async_quorum=not diloco)
+    manager = replica.manager
+    comm = CountedAllreduce(manager, cfg.workers, link)  # after the warm-up: only the syncs are counted
+    manager.allreduce = comm
+    inner_steps = [0]
+
+    def count_inner_step(*_: Any) -> None:
+        inner_steps[0] += 1
+
+    stack = contextlib.ExitStack()
+    stack.callback(replica.shutdown)  # last: after the algorithm's hooks are gone
+    stack.callback(inner.register_step_post_hook(count_inner_step).remove)
+    try:
+        if diloco:
+            mu = system.outer_momentum
+            outer = torch.optim.SGD(model.parameters(), lr=system.outer_lr, momentum=mu, nesterov=mu > 0)
+            algo = DiLoCo(manager, [model], inner, outer, sync_every=system.peer_round)
+        else:
+            algo = LocalSGD(manager, model, inner, sync_every=system.peer_round)
+        stack.enter_context(algo)
+    except BaseException:
+        stack.close()
+        raise
+
+    trainer = Trainer(net=model, opt=inner, ddp_bytes=comm, shutdown=stack.close)
+    trainer.peer_info = lambda: {  # type: ignore[attr-defined]
+        "algorithm": f"torchft.local_sgd.{type(algo).__name__}",
+        "sync_every": system.peer_round,
+        "inner_optimizer": type(inner).__name__,
+        **(
+            {
+                "outer_optimizer": f"SGD(nesterov={system.outer_momentum > 0})",
+                "outer_lr": system.outer_lr,
+                "outer_momentum": system.outer_momentum,
+            }
+            if diloco
+            else {}
+        ),
+        "use_async_quorum": not diloco,
+        "min_replica_size": cfg.workers,
+        "process_group": "torchft.ProcessGroupGloo",
+        "bytes": "ring model of the all-reduced " + ("pseudo-gradients" if diloco else "parameters"),
+        "allreduces": comm.buckets,
+        "inner_steps": inner_steps[0],
+        "inner_steps_since_last_sync": inner_steps[0] % system.peer_round,
+        "committed_steps": int(manager.current_step()),  # the warm-up's, then one per committed sync
+        "syncs_committed": int(manager.current_step()) - 1,
     }
     return trainer

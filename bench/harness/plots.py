@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _POLICY_COLORS = {"ddp": "black", "bsp": "tab:blue", "ssp": "tab:orange", "asp": "tab:green",
-                  "quorum": "tab:red", "hivemind": "tab:purple", "torchft": "tab:brown"}  # fmt: skip
+                  "quorum": "tab:red", "hivemind": "tab:purple", "torchft": "tab:brown",
+                  "torchft-diloco": "sienna", "torchft-localsgd": "rosybrown"}  # fmt: skip
 _CODEC_STYLES = {None: "-", "none": "-", "fp16": "--", "int8": "--", "bf16": "--", "sign": "-.",
                  "topk": ":", "powersgd": ":"}  # fmt: skip
 
@@ -29,7 +30,7 @@ def _style(r: Mapping[str, Any]) -> dict[str, Any]:
     with a bound of 3 or more, ``asp:inverse`` and Quorum with ``:fold`` get colours of their own."""
     policy = r.get("policy") or ""
     kind = r.get("kind")
-    family = kind if kind in ("ddp", "hivemind", "torchft") else policy.split(":")[0]
+    family = kind if kind in _POLICY_COLORS else policy.split(":")[0]
     args = policy.split(":")[1:]
     color = _POLICY_COLORS.get(family, "tab:gray")
     if family == "ssp" and args and args[0].isdigit() and int(args[0]) >= 3:

@@ -35,7 +35,14 @@ from . import peers
 from .ddp import DdpCommState, ddp_comm_hook
 from .lmtask import held_out_loss
 from .slowdowns import plan_slowdowns
-from .workload import MODELS, BenchConfig, make_optimizer, optimizer_config, powersgd_warmup
+from .workload import (
+    MODELS,
+    TORCHFT_LOCAL_KINDS,
+    BenchConfig,
+    make_optimizer,
+    optimizer_config,
+    powersgd_warmup,
+)
 
 
 def gloo_behind_link(link: Link):
@@ -67,8 +74,9 @@ def build_pyasync(model: nn.Module, cfg: BenchConfig, transport=None) -> Trainer
 
 
 def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link | None) -> Trainer:
-    """DDP with ``cfg.system``'s hook, pyasync, hivemind or torchft, each stepping ``cfg``'s optimizer;
-    behind ``link`` when given (except hivemind, see Note [Peers and the link] in peers.py)."""
+    """DDP with ``cfg.system``'s hook, pyasync, hivemind or torchft (DDP-style, DiLoCo or LocalSGD), each
+    stepping ``cfg``'s optimizer; behind ``link`` when given (except hivemind, see Note [Peers and the
+    link] in peers.py)."""
     if cfg.system.is_ddp:
         warmup = None
         if cfg.system.ddp_hook == "powersgd":
@@ -96,6 +104,8 @@ def build_trainer(cfg: BenchConfig, run: RankRun, store: dist.Store, link: Link 
         return trainer
     if cfg.system.kind == "torchft":
         return peers.torchft_trainer(cfg, run.model, run.rank, store, link)
+    if cfg.system.kind in TORCHFT_LOCAL_KINDS:
+        return peers.torchft_local_trainer(cfg, run.model, run.rank, store, link)
     if cfg.system.kind == "hivemind":
         return peers.hivemind_trainer(cfg, run.model, run.rank, store)
     raise ValueError(f"system {cfg.system.name!r}: unknown kind {cfg.system.kind!r}")

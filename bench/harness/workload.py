@@ -17,16 +17,21 @@ from pyasync.demo.config import SystemSpec, TrainConfig
 from pyasync.demo.config import parse_system as parse_demo_system
 from pyasync.demo.config import parse_systems as parse_demo_systems
 from pyasync.demo.data import Digits, load_digits_split
+from pyasync.policy import LOCAL_OUTER_DEFAULTS, Local
 
 from .lmtask import CONTEXT, load_lm_split, make_lm_model
 from .seqtask import SEQ_LENGTH, load_sort_split, make_seq_model
 
 # ---------------------------------------------------------------------------------------------------
-# Systems: the demo's, plus DDP's compression hooks and hivemind
+# Systems: the demo's, plus DDP's compression hooks and the peers (hivemind, torchft)
 # ---------------------------------------------------------------------------------------------------
 
 #: The other libraries' systems (bench/harness/peers.py), which need the peers' venv.
-PEER_KINDS = ("hivemind", "torchft")
+PEER_KINDS = ("hivemind", "torchft", "torchft-diloco", "torchft-localsgd")
+#: torchft's local-steps algorithms (torchft.local_sgd): DiLoCo and LocalSGD, H inner steps per sync.
+TORCHFT_LOCAL_KINDS = ("torchft-diloco", "torchft-localsgd")
+#: H of ``torchft-diloco`` and ``torchft-localsgd`` without one: pyasync's ``local``'s default steps.
+TORCHFT_LOCAL_STEPS = Local().steps
 
 #: PowerSGD rank of ``ddp+powersgd`` (rank 2 keeps ~99% of this MLP's bytes off the wire).
 DEFAULT_POWERSGD_RANK = 2
@@ -36,10 +41,17 @@ DEFAULT_POWERSGD_RANK = 2
 class BenchSystem(SystemSpec):
     """A system of the benchmark: the demo's kinds, ``ddp`` with a compression hook (``compression`` holds
     ``fp16`` or ``powersgd:RANK``), or a peer: ``kind="hivemind"`` (hivemind.Optimizer, ``peer_round``
-    steps of every peer per averaging round) or ``kind="torchft"`` (torchft's Manager and DDP); see
+    steps of every peer per averaging round), ``kind="torchft"`` (torchft's Manager and DDP),
+    ``kind="torchft-diloco"`` (torchft.local_sgd.DiLoCo: ``peer_round`` inner steps per outer step, an
+    outer Nesterov SGD at ``outer_lr`` and ``outer_momentum``) or ``kind="torchft-localsgd"``
+    (torchft.local_sgd.LocalSGD: parameters averaged every ``peer_round`` steps); see
     ``bench/harness/peers.py``."""
 
-    peer_round: int | None = None  # hivemind: steps of every peer per averaging round (None: default)
+    # hivemind: steps of every peer per averaging round (None: default); torchft-diloco and
+    # torchft-localsgd: H, the inner steps between two syncs
+    peer_round: int | None = None
+    outer_lr: float | None = None  # torchft-diloco: the outer SGD's learning rate
+    outer_momentum: float | None = None  # torchft-diloco: the outer SGD's (Nesterov) momentum
 
     @property
     def is_peer(self) -> bool:
@@ -81,10 +93,60 @@ def _parse_ddp_hook(name: str, codec: str) -> str:
     )
 
 
+def _parse_torchft_local(name: str, kind: str, args: list[str]) -> BenchSystem:
+    """``torchft-diloco[:H][:lr=X][:momentum=M]`` or ``torchft-localsgd[:H]`` (``args``: what follows the
+    kind, split at ``:``), options as pyasync's ``local:H:lr=..:momentum=..``. DiLoCo's outer lr and
+    momentum default to pyasync's ``local:H`` defaults (``LOCAL_OUTER_DEFAULTS["sync"]``)."""
+    opts = dict(a.split("=", 1) for a in args if "=" in a)
+    steps = [a for a in args if "=" not in a]
+    known = ("lr", "momentum") if kind == "torchft-diloco" else ()
+    bad = sorted(set(opts) - set(known))
+    if bad:
+        takes = f"it takes {list(known)}" if known else "it takes no options"
+        raise ValueError(f"system {name!r}: unknown option(s) {bad} for {kind}; {takes}")
+    if len(steps) > 1:
+        raise ValueError(f"system {name!r}: {kind} takes one H (its inner steps per sync), got {steps}")
+    try:
+        h = int(steps[0]) if steps else TORCHFT_LOCAL_STEPS
+    except ValueError:
+        h = 0
+    if h < 1:
+        raise ValueError(
+            f"system {name!r}: {kind} takes H, its inner steps per sync, an int >= 1 (e.g. {kind}:16)"
+        )
+    if kind == "torchft-localsgd":
+        return BenchSystem(
+            name=name, policy=None, compression=None, synchronous=True, kind=kind, peer_round=h
+        )
+    lr, mu = LOCAL_OUTER_DEFAULTS["sync"]
+    try:
+        lr, mu = float(opts.get("lr", lr)), float(opts.get("momentum", mu))
+    except ValueError:
+        lr = mu = math.nan
+    if not (0 < lr < math.inf and 0 <= mu < 1):
+        raise ValueError(
+            f"system {name!r}: {kind}'s outer lr must be a finite number > 0 and its momentum in [0, 1), "
+            f"e.g. {kind}:16:lr=0.5:momentum=0.8"
+        )
+    return BenchSystem(
+        name=name,
+        policy=None,
+        compression=None,
+        synchronous=True,
+        kind=kind,
+        peer_round=h,
+        outer_lr=lr,
+        outer_momentum=mu,
+    )
+
+
 def parse_system(token: str, workers: int) -> BenchSystem:
     """Parse one system name: the demo's (``ddp``, or a pyasync policy optionally ``+COMPRESSION``, see
     ``pyasync.demo.config.parse_system``), ``ddp+fp16``, ``ddp+powersgd[:RANK]``, ``hivemind[:ROUND]``
-    (ROUND: steps of every peer per averaging round, an int >= 1) or ``torchft``.
+    (ROUND: steps of every peer per averaging round, an int >= 1), ``torchft``,
+    ``torchft-diloco[:H][:lr=X][:momentum=M]`` (H inner steps per outer step, default
+    :data:`TORCHFT_LOCAL_STEPS`; the outer Nesterov SGD's lr and momentum, default pyasync's ``local:H``
+    ones, 0.5 and 0.8) or ``torchft-localsgd[:H]``.
 
     ``ddp+fp16`` and ``ddp+powersgd`` are DDP with torch's ``fp16_compress_hook`` and ``powerSGD_hook``
     (rank 2 unless given). Raises ValueError naming the token.
@@ -98,6 +160,8 @@ def parse_system(token: str, workers: int) -> BenchSystem:
     if head in PEER_KINDS:
         if plus:
             raise ValueError(f"system {name!r}: {head} runs without compression here")
+        if head in TORCHFT_LOCAL_KINDS:
+            return _parse_torchft_local(name, head, arg.split(":") if colon else [])
         if head == "torchft":
             if colon:
                 raise ValueError(f"system {name!r}: torchft takes no argument")
@@ -117,7 +181,8 @@ def parse_system(token: str, workers: int) -> BenchSystem:
         spec = parse_demo_system(name, workers)
     except ValueError as e:
         raise ValueError(
-            f"{e} (the benchmark also runs 'ddp+fp16', 'ddp+powersgd', 'hivemind' and 'torchft')"
+            f"{e} (the benchmark also runs 'ddp+fp16', 'ddp+powersgd', 'hivemind', 'torchft', "
+            "'torchft-diloco' and 'torchft-localsgd')"
         ) from None
     return BenchSystem(**dataclasses.asdict(spec))
 

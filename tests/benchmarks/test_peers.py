@@ -7,6 +7,7 @@ and torchft themselves need the peers' venv (``bash bench/peers/setup.sh``) and 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import os
@@ -158,6 +159,47 @@ def test_parse_peer_systems():
     assert not W.parse_system("ddp", 4).is_peer and not W.parse_system("asp", 4).is_peer
 
 
+def test_parse_torchft_local_systems():
+    import pyasync
+
+    dl = W.parse_system("torchft-diloco", 4)
+    assert (dl.kind, dl.synchronous, dl.is_peer, dl.policy) == ("torchft-diloco", True, True, None)
+    assert not dl.is_ddp and not dl.is_pyasync
+    # Default H and outer hyperparameters: pyasync's local:H ones, so the default comparison is like for like.
+    local = pyasync.parse_policy("local:16")
+    assert (dl.peer_round, dl.outer_lr, dl.outer_momentum) == (16, local.outer_lr, local.outer_momentum)
+    assert (dl.outer_lr, dl.outer_momentum) == (0.5, 0.8)
+    assert W.parse_system("torchft-diloco:16", 4) == dataclasses.replace(dl, name="torchft-diloco:16")
+    tuned = W.parse_system("torchft-diloco:8:lr=0.7:momentum=0.9", 4)
+    assert (tuned.peer_round, tuned.outer_lr, tuned.outer_momentum) == (8, 0.7, 0.9)
+    assert W.parse_system("torchft-diloco:momentum=0", 4).outer_momentum == 0.0  # plain SGD outer step
+    assert W.parse_system("TorchFT-DiLoCo:4", 4).name == "TorchFT-DiLoCo:4"  # the name as given
+    ls = W.parse_system("torchft-localsgd:4", 4)
+    assert (ls.kind, ls.synchronous, ls.is_peer, ls.peer_round) == ("torchft-localsgd", True, True, 4)
+    assert ls.outer_lr is None and W.parse_system("torchft-localsgd", 4).peer_round == 16
+
+
+def test_torchft_local_systems_through_the_shared_parser():
+    from harness import cli
+
+    specs = cli.parse_system_specs(
+        "ddp,local:16,torchft-diloco:16,torchft-localsgd:16", 4, kinds=W.PEER_KINDS + ("ddp", "pyasync")
+    )
+    assert [s.kind for s in specs] == ["ddp", "pyasync", "torchft-diloco", "torchft-localsgd"]
+    with pytest.raises(ValueError, match="torchft-diloco:16.*runs pyasync, torchft systems only"):
+        cli.parse_system_specs("asp,torchft-diloco:16", 4, kinds=("pyasync", "torchft"))
+    assert [s.name for s in W.parse_systems("torchft-diloco,torchft-diloco:8", 4)] == [
+        "torchft-diloco",
+        "torchft-diloco:8",
+    ]
+
+
+def test_e2e_help_names_the_torchft_local_systems():
+    bench = load_e2e()
+    text = "".join(bench.build_parser().format_help().split())  # argparse wraps lines at hyphens too
+    assert "torchft-diloco[:H][:lr=X][:momentum=M]" in text and "torchft-localsgd[:H]" in text
+
+
 @pytest.mark.parametrize(
     "token, message",
     [
@@ -167,6 +209,28 @@ def test_parse_peer_systems():
         ("torchft+int8", "runs without compression"),
         ("hivemind:4+fp16", "runs without compression"),
         ("gossip", "'torchft'"),
+        ("gossip", "'torchft-diloco'"),
+        ("torchft-diloco:0", r"torchft-diloco takes H, its inner steps per sync, an int >= 1"),
+        ("torchft-diloco:-3", "an int >= 1"),
+        ("torchft-diloco:x", "an int >= 1"),
+        ("torchft-diloco:", "an int >= 1"),
+        ("torchft-localsgd:0", r"torchft-localsgd takes H, its inner steps per sync, an int >= 1"),
+        ("torchft-diloco:4:8", "takes one H"),
+        ("torchft-diloco:16:lr=0", r"outer lr must be a finite number > 0 and its momentum in \[0, 1\)"),
+        ("torchft-diloco:16:lr=inf", "outer lr must be a finite number > 0"),
+        ("torchft-diloco:16:lr=fast", "outer lr must be a finite number > 0"),
+        ("torchft-diloco:16:momentum=1", r"momentum in \[0, 1\)"),
+        ("torchft-diloco:16:momentum=-0.1", r"momentum in \[0, 1\)"),
+        (
+            "torchft-diloco:16:beta=0.9",
+            r"unknown option\(s\) \['beta'\] for torchft-diloco; it takes \['lr', 'momentum'\]",
+        ),
+        (
+            "torchft-localsgd:16:lr=0.5",
+            r"unknown option\(s\) \['lr'\] for torchft-localsgd; it takes no options",
+        ),
+        ("torchft-diloco:16+int8", "runs without compression"),
+        ("torchft-localsgd+fp16", "runs without compression"),
     ],
 )
 def test_parse_peer_system_errors(token, message):
@@ -231,9 +295,9 @@ def test_socket_bytes_of_this_process_count_what_it_sent():
 
 
 def test_peer_status_says_how_to_get_the_peers():
-    for kind in ("hivemind", "torchft"):
+    for kind in W.PEER_KINDS:
         why = P.peer_status(kind)
-        if importlib.util.find_spec(kind) is None:
+        if importlib.util.find_spec(kind.split("-")[0]) is None:
             assert why is not None and "bench/peers/setup.sh" in why
     with pytest.raises(ValueError):
         P.peer_status("gossip")
@@ -242,7 +306,6 @@ def test_peer_status_says_how_to_get_the_peers():
 # ---------------------------------------------------------------------------------------------------
 # The peers themselves (peers' venv only)
 # ---------------------------------------------------------------------------------------------------
-
 
 
 def _p2pd_pids() -> set[int]:
@@ -259,7 +322,7 @@ def _p2pd_pids() -> set[int]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["torchft", "hivemind:4"])
+@pytest.mark.parametrize("kind", ["torchft", "hivemind:4", "torchft-diloco:4", "torchft-localsgd:4"])
 def test_peer_tiny_run(tmp_path, kind):
     why = P.peer_status(kind.split(":")[0])
     if why is not None:
@@ -278,6 +341,20 @@ def test_peer_tiny_run(tmp_path, kind):
         assert rec["bytes_per_step"] == pytest.approx(n_params * 4)  # ring model, n=2: 1x the gradient
         assert rec["replicas_equal"] is True and rec["bandwidth_gbps"] == 4.0
         assert peer["committed_steps"] == rec["steps_per_rank"][0] + 1  # + the warm-up step
+    elif kind.startswith("torchft-"):
+        n_params = sum(p.numel() for p in h.make_model(512, 0).parameters())
+        steps = rec["steps_per_rank"]
+        assert steps[0] == steps[1] == 88 and peer["inner_steps"] == 88  # 4 epochs of 22 steps
+        assert (
+            peer["sync_every"] == 4
+            and peer["syncs_committed"] == 22
+            and peer["inner_steps_since_last_sync"] == 0
+        )
+        assert peer["allreduces"] == 22 * len(list(h.make_model(512, 0).parameters()))  # one per tensor
+        assert rec["bytes_per_step"] == pytest.approx(n_params * 4 / 4)  # ring model, n=2: 1x per 4 steps
+        assert rec["replicas_equal"] is True and rec["bandwidth_gbps"] == 4.0  # ended on a sync
+        if kind.startswith("torchft-diloco"):
+            assert (peer["outer_lr"], peer["outer_momentum"], peer["use_async_quorum"]) == (0.5, 0.8, False)
     else:
         assert peer["round_steps_per_peer"] == 4 and peer["target_group_size"] == 2
         assert rec["bandwidth_gbps"] == 4.0 and peer["link"] == "not emulated"
