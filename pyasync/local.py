@@ -29,6 +29,15 @@ Note [Local steps]
       holds ``inner_steps`` and ``outer_steps``.
     - An outer step whose wait timed out (TimeoutError) stays in flight, as any step does; the next
       ``step()`` finishes it first and takes its answer as the anchor, so its change is pushed once.
+    - Asynchronously the outer ASP waits for the worker's own answers with no patience (Note
+      [Patience with one's own answers] in engine/p2p/engine.py). With a patience, a worker whose
+      owner stopped (SIGSTOP, a hung host) would train on against that owner's frozen shard: every
+      later change is measured from the same stale anchor there, and when the owner is dropped the
+      replay (Note [Replaying a dead owner's pushes]) applies them all, each the whole way from that
+      anchor. Measured before this was so: the stopped owner's quarter of a quadratic ended at 5-7
+      instead of 2 (tests/faults/test_membership.py::test_a_stopped_or_departed_worker_under_local_steps).
+      So a worker waits: until the answer, until the heartbeats drop the owner (elastic=True), or
+      until the timeout (TimeoutError, the outer step finished by the next step()).
 
 Note [Dynamic local steps]
     With one worker twice as slow, H steps each means the fast workers wait for it at every synchronous

@@ -496,13 +496,15 @@ class Local(Policy):
 
     def outer(self, elastic: bool = False) -> Policy:
         """The policy the outer steps' pushes follow: BSP (on collectives; point-to-point when
-        ``elastic``), Quorum(k) with late changes dropped, or ASP with the owners' answers awaited and
-        no look-ahead or clip (the delayed Nesterov step is the correction)."""
+        ``elastic``), Quorum(k) with late changes dropped, or ASP with the owners' answers awaited
+        without a patience, and no look-ahead or clip (the delayed Nesterov step is the correction)."""
         if self.mode == "sync":
             return BSP(p2p=elastic)
         if self.mode == "quorum":
             return Quorum(self.k)
-        return ASP(lookahead=0, clip=0.0, round_moments=True, max_unanswered=0)
+        # patience inf: an owner that does not answer is waited for (until it answers, the heartbeats
+        # drop it under elastic=True, or the timeout): Note [Local steps] in pyasync/local.py.
+        return ASP(lookahead=0, clip=0.0, round_moments=True, max_unanswered=0, patience=math.inf)
 
     def spec(self) -> str:
         out = f"local:{self.steps}"

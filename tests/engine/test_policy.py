@@ -152,11 +152,11 @@ def test_exports():
     [
         ("local:16", pyasync.Local(16), "bsp"),
         ("local:8:quorum:3", pyasync.Local(8, mode="quorum", k=3), "quorum:3"),
-        ("local:4:async", pyasync.Local(4, mode="async"), "asp:lookahead=off:clip=off"),
+        ("local:4:async", pyasync.Local(4, mode="async"), "asp:lookahead=off:clip=off:patience=inf"),
         ("local:4:async:lr=0.5:momentum=0", pyasync.Local(4, mode="async", outer_lr=0.5, outer_momentum=0.0),
-         "asp:lookahead=off:clip=off"),
+         "asp:lookahead=off:clip=off:patience=inf"),
         ("local:4:async:adaptive", pyasync.Local(4, mode="async", adaptive=True),
-         "asp:lookahead=off:clip=off"),
+         "asp:lookahead=off:clip=off:patience=inf"),
         ("local:8:quorum:3:adaptive", pyasync.Local(8, mode="quorum", k=3, adaptive=True), "quorum:3"),
     ],
 )
