@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt import reseal, whole
 from _dist import multiproc, run_workers
 
 pytestmark = multiproc
@@ -450,13 +451,6 @@ def _reshard_load(rank, world, root):
     return out
 
 
-def _whole(per_rank: list[dict], b: int, name: str) -> torch.Tensor:
-    parts = []
-    for shards in per_rank:
-        if str(b) in shards:
-            sh = shards[str(b)]
-            parts.append(sh["master"] if name == "master" else sh["optim"][name])
-    return torch.cat(parts)
 
 
 def test_reshard_to_another_world_size(tmp_path):
@@ -470,8 +464,8 @@ def test_reshard_to_another_world_size(tmp_path):
         assert not _equal(loaded[rank][0], loaded[rank][3]), "no training"
     for b in range(len(loaded[0][2])):
         for name in ("master", "state1", "state2"):
-            old = _whole([s[1] for s in saved], b, name)
-            new = _whole([s[1] for s in loaded], b, name)
+            old = whole([s[1] for s in saved], b, name)
+            new = whole([s[1] for s in loaded], b, name)
             assert old.numel() == loaded[0][2][b] and torch.equal(old, new), (b, name)
         for shards in (s[1] for s in loaded):
             if str(b) in shards:
@@ -686,24 +680,6 @@ def test_reshard_carries_error_feedback_residuals(ef_checkpoints, old, new):
         assert delivered > 1e-4, f"{case}: the loaded residuals moved nothing ({delivered})"
 
 
-def _reseal(d: str, rank: int, edit) -> None:
-    """Let edit(state_dict) change old rank ``rank``'s shard file, then fix its size and sha256 in the
-    manifest, so that only the structure check can catch it."""
-    import hashlib
-    import io
-
-    mpath = os.path.join(d, "manifest.json")
-    mm = json.loads(Path(mpath).read_text())
-    entry = next(s for s in mm["shards"] if s["rank"] == rank)
-    fpath = os.path.join(d, entry["file"])
-    sd = torch.load(fpath, weights_only=True)
-    edit(sd)
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    data = buf.getvalue()
-    Path(fpath).write_bytes(data)
-    entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    Path(mpath).write_text(json.dumps(mm))
 
 
 def _ef_bad(rank, world, src, root):
@@ -741,7 +717,7 @@ def _ef_bad(rank, world, src, root):
         d = os.path.join(root, name)
         if rank == 0:
             shutil.copytree(src, d)
-            _reseal(d, 1, edit)
+            reseal(d, 1, edit)
         dist.barrier()
         try:
             pyasync.load_checkpoint(d, opt)

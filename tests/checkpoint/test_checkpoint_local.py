@@ -15,14 +15,12 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
-import io
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from _ckpt import reseal, whole
 from _dist import multiproc, run_workers
 
 pytestmark = multiproc
@@ -164,13 +162,6 @@ def _reshard_load(rank, world, root):
     return out
 
 
-def _whole(per_rank: list[dict], b: int, name: str) -> torch.Tensor:
-    parts = []
-    for shards in per_rank:
-        if str(b) in shards:
-            sh = shards[str(b)]
-            parts.append(sh["master"] if name == "master" else sh["optim"][name])
-    return torch.cat(parts)
 
 
 def test_reshard_keeps_the_global_state_and_drops_each_workers_progress(tmp_path):
@@ -187,25 +178,11 @@ def test_reshard_keeps_the_global_state_and_drops_each_workers_progress(tmp_path
         if not any(str(b) in s["shards"] for s in saved):
             continue
         for name in ("master", "state1"):  # the outer Nesterov momentum is state1
-            old = _whole([s["shards"] for s in saved], b, name)
-            assert torch.equal(old, _whole([s["shards"] for s in loaded], b, name)), (b, name)
-        assert _whole([s["shards"] for s in saved], b, "state1").abs().max() > 0, "no outer momentum"
+            old = whole([s["shards"] for s in saved], b, name)
+            assert torch.equal(old, whole([s["shards"] for s in loaded], b, name)), (b, name)
+        assert whole([s["shards"] for s in saved], b, "state1").abs().max() > 0, "no outer momentum"
 
 
-def _reseal(d: str, rank: int, edit) -> None:
-    """Let edit(state_dict) change rank ``rank``'s shard file, then fix its size and sha256 in the
-    manifest, so that only the structure check can catch it."""
-    mpath = os.path.join(d, "manifest.json")
-    mm = json.loads(Path(mpath).read_text())
-    entry = next(s for s in mm["shards"] if s["rank"] == rank)
-    fpath = os.path.join(d, entry["file"])
-    sd = torch.load(fpath, weights_only=True)
-    edit(sd)
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    Path(fpath).write_bytes(buf.getvalue())
-    entry.update(bytes=len(buf.getvalue()), sha256=hashlib.sha256(buf.getvalue()).hexdigest())
-    Path(mpath).write_text(json.dumps(mm))
 
 
 def _bad(rank, world, root):
@@ -231,7 +208,7 @@ def _bad(rank, world, root):
             import shutil
 
             shutil.copytree(good, d)
-            _reseal(d, 1, edit)
+            reseal(d, 1, edit)
         torch.distributed.barrier()
         model2, opt2 = _make(50 + rank)
         before = _snap(model2)
