@@ -37,10 +37,12 @@ from pyasync.engine.core.stats import Stats
 from pyasync.engine.p2p.engine import Engine
 from pyasync.local import LocalSteps, SpeedBoard, outer_optimizer
 from pyasync.policy import Local, Policy, parse_policy
-from pyasync.session.bootstrap import handshake, tell_peers
+from pyasync.session import groups
+from pyasync.session.bootstrap import handshake, public_items, tell_peers
 from pyasync.session.epoch import Epoch, Setup, abandon, release_control, start_epoch, stop_engine
+from pyasync.session.joining import Requests, decide_fate, joining, publish
 from pyasync.session.meet import collective_failure, global_ranks, store
-from pyasync.session.membership import EpochChange, change_epoch
+from pyasync.session.membership import EpochChange, change_epoch, join_epoch
 from pyasync.transport.base import Transport
 
 if TYPE_CHECKING:
@@ -164,7 +166,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("this rank is not a member of process_group")
             world = dist.get_world_size(process_group)
             members = global_ranks(process_group)
-            outer.validate(world)
+            if not (elastic and joining()):  # a joiner's policy is checked against the members it joins
+                outer.validate(world)
 
             # Shared with the wrapped optimizer (lr schedulers work on either).
             self.optimizer = optimizer
@@ -192,6 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 max_grad_norm=engine_clip,
                 grad_edits=grad_edits,
                 elastic=elastic,
+                policy=outer,
             )
             layouts = self._setup.layouts(world)
             check_clipping_owners(engine_clip, outer, world, layouts)
@@ -200,11 +204,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
 
         # Meet the other ranks, then the optimizer's own group, transport, agreement and rank 0's values
-        # (session/bootstrap.py; Note [Failing together at construction]); then epoch 0's engine.
+        # (session/bootstrap.py; Note [Failing together at construction]); then epoch 0's engine. A worker
+        # started to join a running elastic job is admitted by its members instead (session/joining.py).
+        self._requests: Requests | None = None  # elastic: the join requests the members look for
+        if elastic and joining():
+            self._epoch = self._join(policy, local)
+        else:
+            self._epoch = self._first_epoch(process_group, policy, outer, members, rank, layouts)
+        self._guard()
+        #: Local steps' worker side (pyasync/local.py), None under every other policy.
+        self.local_steps = LocalSteps(local, self._setup.params, clip, self._board(local)) if local else None
+        self._unhook()
+        _WRAPPERS[optimizer] = weakref.ref(self)
+
+    def _first_epoch(self, process_group, policy: Policy, outer: Policy, members, rank, layouts) -> Epoch:
+        """Epoch 0 over ``process_group``: the handshake with more than one rank, then the engine; an elastic
+        job is then open to joiners."""
         control, tp, key = None, None, ""
+        world = len(members)
         if world > 1:
             control, tp, key = handshake(self._setup, process_group, policy, layouts)
-        self._epoch = start_epoch(
+        epoch = start_epoch(
             self._setup,
             number=0,
             group=process_group,
@@ -217,11 +237,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             key=key,
             transport=tp,
         )
-        self._guard()
-        #: Local steps' worker side (pyasync/local.py), None under every other policy.
-        self.local_steps = LocalSteps(local, self._setup.params, clip, self._board(local)) if local else None
-        self._unhook()
-        _WRAPPERS[optimizer] = weakref.ref(self)
+        self._epoch = epoch
+        if self._setup.elastic and world > 1:
+            self._open_to_joiners(policy, members, rank)
+        return epoch
+
+    def _join(self, policy: Policy, local: Local | None) -> Epoch:
+        """This process joins the running elastic job on its store (Note [Joining a running job])."""
+        if local is not None:
+            raise NotImplementedError(
+                "pyasync: a worker cannot join a job under local steps yet (its inner optimizer state and "
+                "anchor have no donor); restart the job from a checkpoint"
+            )
+        epoch, change = join_epoch(self._setup, public_items(self._setup, policy))
+        self._epochs.append(change)
+        self._requests = Requests(store(), epoch.key)
+        epoch.engine.admit_at_close = self._admit_at_close
+        return epoch
+
+    def _open_to_joiners(self, policy: Policy, members: list[int], rank: int) -> None:
+        """Elastic, more than one rank: rank 0 writes what a joiner needs to find and check this job, and
+        every member looks for join requests (Note [Joining a running job])."""
+        st, ep = store(), self._epoch
+        if st is None or not ep.key:
+            return
+        if rank == 0:
+            publish(st, ep.key, members, public_items(self._setup, policy))
+        self._requests = Requests(st, ep.key)
+        ep.engine.admit_at_close = self._admit_at_close
+
+    def _admit_at_close(self) -> bool:
+        """close() has every final: the members decide once, through the store, whether a joiner that asked
+        is admitted before they close (Note [Joining a running job])."""
+        ep, req = self._epoch, self._requests
+        if req is None:
+            return False
+        return decide_fate(req.st, ep.key, ep.number, grow=False)
 
     def _init_hooks(self) -> None:
         """The hook registries torch.optim.Optimizer's own __init__ would make (it is not called)."""
@@ -279,9 +330,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _follow_membership(self) -> None:
-        """Elastic: ranks left; the survivors move to the next membership epoch (session/membership.py)."""
-        while self._epoch is not None and self._epoch.engine.lost and not self._epoch.engine.closed:
+        """Elastic: ranks left, or a worker asked to join; the members move to the next membership epoch
+        (session/membership.py)."""
+        while self._epoch is not None and not self._epoch.engine.closed and (
+            self._epoch.engine.lost or self._join_asked()
+        ):
             self._next_epoch()
+
+    def _join_asked(self) -> bool:
+        """A join request waits (looked for at most every POLL_S seconds); this member claims the change
+        for it (Note [Joining a running job]: the members in close() then take part)."""
+        ep, req = self._epoch, self._requests
+        if req is None or not req.due(ep.members):
+            return False
+        if not decide_fate(req.st, ep.key, ep.number, grow=True):
+            raise RuntimeError(  # the members decide "end" only once every member has closed
+                f"pyasync: epoch {ep.number} was decided to end while this member still trains"
+            )
+        return True
 
     def _next_epoch(self) -> None:
         """One membership change. One that fails (this rank was dropped, the store or a member is gone)
@@ -293,13 +359,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local = self.local_steps
         progress = local.park() if local is not None else None  # Note [Local steps]
         try:
-            nxt, change = change_epoch(old, self._setup)
+            nxt, change = change_epoch(old, self._setup, self._requests)
         except BaseException as e:
             self._epoch_failure = e
             stop_engine(old.engine, f"its membership change failed ({type(e).__name__}: {e})")
             raise
         self._finalizer.detach()
         self._epoch = nxt
+        nxt.engine.admit_at_close = self._admit_at_close if self._requests is not None else None
         self._guard()
         self._unhook()
         if local is not None:
@@ -404,9 +471,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._epoch.world == 1:
             return
         try:
-            dist.monitored_barrier(
-                group=self._epoch.control, timeout=self._setup.timeout, wait_all_ranks=True
-            )
+            groups.barrier(self._epoch.control, self._setup.timeout)
         except Exception as e:
             err = collective_failure(e, self.engine.transport, what)
             self.engine.record_failure(err)

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "multiproc", "run_workers", "world_size"]
+__all__ = ["free_port", "multiproc", "run_with_replacements", "run_workers", "world_size"]
 
 multiproc = pytest.mark.multiproc
 
@@ -46,6 +46,8 @@ def _entry(
     results,
     pg_timeout: float,
     external_store: bool = False,
+    join: bool = False,
+    report_as: int | None = None,
 ) -> None:
     os.environ["PYASYNC_NUM_THREADS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -54,7 +56,11 @@ def _entry(
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=pg_timeout)
-        if external_store:  # the parent hosts the store: any rank may die
+        if join:  # a joiner: a default group of its own on the job's store (Note [Joining a running job])
+            os.environ["PYASYNC_JOIN"] = "1"
+            store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        elif external_store:  # the parent hosts the store: any rank may die
             store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         else:
@@ -72,9 +78,9 @@ def _entry(
             dist.destroy_process_group()
         buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with the worker process
         torch.save(out, buf)
-        results.put((rank, "ok", buf.getvalue()))
+        results.put((rank if report_as is None else report_as, "ok", buf.getvalue()))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank if report_as is None else report_as, "error", traceback.format_exc()))
 
 
 def run_workers(
@@ -190,3 +196,88 @@ def run_workers(
 def world_size(request) -> int:
     """2 and 3 ranks (3 is not a power of two: uneven shards)."""
     return request.param
+
+
+#: Where the job's record (pyasync/session/joining.py's JOB_KEY) lies in the raw store: under the default
+#: group's prefix (the workers pass this store to init_process_group), as torch.distributed writes it.
+JOB_RECORD = "0//pyasync/elastic/job"
+
+
+def run_with_replacements(
+    fn: Callable,
+    world_size: int,
+    replacements: int,
+    args: Sequence = (),
+    timeout: float = 120.0,
+    joiners: int = 0,
+) -> tuple[list[Any], list[Any]]:
+    """Run fn(rank, world_size, None, *args) on world_size ranks over a store hosted here, and ``joiners``
+    workers that join the job from the start; each time a process ends without a result (it was killed),
+    start a replacement, at most ``replacements`` times. A joiner or replacement runs fn(0, world_size, k,
+    *args) (k: its number) and joins the running job (PYASYNC_JOIN=1, its own one-rank default group on
+    the job's store). Returns (the ranks' results, the joiners' and replacements' results); None for a
+    process that died. Every wait is bounded by ``timeout``."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    limit = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=limit, wait_for_workers=False)
+    procs: dict[int, Any] = {}  # id -> process; ranks 0..world-1, replacements world + k
+
+    def start(i: int) -> None:
+        k = None if i < world_size else i - world_size
+        rank = i if k is None else 0
+        procs[i] = ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, port, (k, *args), results, timeout, True, k is not None, i),
+            name=f"worker{i}",
+            daemon=True,
+        )
+        procs[i].start()
+
+    for r in range(world_size):
+        start(r)
+    if joiners:  # a joiner's own one-rank default group must not meet the job's while that one forms
+        end = time.monotonic() + timeout
+        while not store.check([JOB_RECORD]) and time.monotonic() < end:
+            store.wait([JOB_RECORD], datetime.timedelta(seconds=timeout))
+        for r in range(world_size, world_size + joiners):
+            start(r)
+    got: dict[int, tuple[str, Any]] = {}
+    replaced: set[int] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                i, status, value = results.get(timeout=0.2)
+                got[i] = (status, value)
+            except queue.Empty:
+                pass
+            for i, p in list(procs.items()):
+                if not p.is_alive() and i not in got and i not in replaced and p.exitcode != 0:
+                    replaced.add(i)
+                    if len(procs) - world_size - joiners < replacements:
+                        start(len(procs))
+            if all(i in got or (i in replaced and not p.is_alive()) for i, p in procs.items()):
+                break
+    finally:
+        for p in procs.values():
+            p.join(max(0.0, min(10.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        del store
+    failed = [f"--- worker {i} failed:\n{v}" for i, (s_, v) in got.items() if s_ == "error"]
+    missing = [i for i in procs if i not in got and i not in replaced]
+    if failed or missing:
+        pytest.fail(
+            f"{fn.__name__}: " + "\n".join(failed + [f"--- worker {i} did not finish" for i in missing]),
+            pytrace=False,
+        )
+
+    def value(i):
+        return torch.load(io.BytesIO(got[i][1]), weights_only=False) if i in got else None
+
+    return [value(i) for i in range(world_size)], [value(i) for i in sorted(procs) if i >= world_size]

@@ -183,11 +183,6 @@ def shard_name(save_id: str, rank: int, world: int) -> str:
     return f"shard-{save_id}-r{rank}-of-{world}.pt"
 
 
-def global_src(t: Target) -> int:
-    """The global rank of rank 0 of the optimizer's process group."""
-    return dist.get_global_rank(t.group, 0) if t.group is not None else 0
-
-
 def collective(t: Target, what: str, fn, *args, **kwargs):
     """Run collective ``fn`` on the optimizer's own group (bounded by its timeout); a failure is a
     CheckpointError that names the rank that died when the transport saw it."""

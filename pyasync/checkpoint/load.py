@@ -31,6 +31,7 @@ from pyasync.checkpoint.common import (
 )
 from pyasync.checkpoint.reshard import reshard
 from pyasync.checkpoint.validate import check_local, compare, read_manifest, read_shard
+from pyasync.session import groups
 
 __all__ = ["load_checkpoint"]
 
@@ -161,7 +162,7 @@ def _install_held(t: Target, held: dict[int, torch.Tensor]) -> None:
     if world > 1:
         recv = torch.empty_like(send)
         collective(
-            t, "load_checkpoint: installing what every rank held", dist.all_to_all_single, recv, send
+            t, "load_checkpoint: installing what every rank held", groups.all_to_all_single, recv, send
         )
     t.engine.shards.install_values(
         {

@@ -33,7 +33,6 @@ from pyasync.checkpoint.common import (
     atomic_write,
     check_args,
     collective,
-    global_src,
     host_id,
     manifest_names,
     shard_name,
@@ -267,7 +266,7 @@ def _write(d: str, t: Target, lk: dirlock.DirLock | None) -> Written:
             head = torch.zeros(HEAD, dtype=torch.int64)
         if world > 1:
             collective(t, "save_checkpoint: agreeing on a save id and the lock", dist.broadcast, head,
-                       src=global_src(t))
+                       group_src=0)
         err = _lock_error(d, head, rank, lk)
         if rank == 0 and int(head[1]) == dirlock.UNLOCKED:
             warnings.warn(
@@ -366,7 +365,7 @@ def _commit(d: str, t: Target, w: Written, table: list[torch.Tensor]) -> None:
             commit_err = f"rank 0 could not write {os.path.join(d, MANIFEST)}: {type(e).__name__}: {e}"
     flag = torch.tensor([int(not commit_err)], dtype=torch.int64)
     if world > 1:
-        collective(t, "save_checkpoint: the commit", dist.broadcast, flag, src=global_src(t))
+        collective(t, "save_checkpoint: the commit", dist.broadcast, flag, group_src=0)
     if int(flag.item()) != 1:
         # The new shard files are orphans; the old manifest (if any) still names the old, intact ones.
         with contextlib.suppress(OSError):

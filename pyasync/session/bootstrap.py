@@ -22,7 +22,15 @@ from pyasync.session.epoch import Setup, destroy_group
 from pyasync.session.meet import collective_failure, control_group, gave_up, join, settle
 from pyasync.transport.base import Transport
 
-__all__ = ["WHAT", "agreement_items", "broadcast_initial", "handshake", "stop_transport", "tell_peers"]
+__all__ = [
+    "WHAT",
+    "agreement_items",
+    "broadcast_initial",
+    "handshake",
+    "public_items",
+    "stop_transport",
+    "tell_peers",
+]
 
 #: How the construction is named in messages.
 WHAT = "the construction of the DistributedOptimizer"
@@ -70,6 +78,14 @@ def agreement_items(setup: Setup, policy: Policy, layouts: list[BucketLayout]) -
         "grad_edits": [setup.grad_edits],
         "elastic": [repr(setup.elastic)],
     }
+
+
+def public_items(setup: Setup, policy: Policy) -> dict[str, list[str]]:
+    """The agreement items a worker that joins later must match (Note [Joining a running job]): all but the
+    bucket layout, which depends on the number of ranks."""
+    items = agreement_items(setup, policy, setup.layouts(1))
+    del items["bucket layout"]
+    return items
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from pyasync.engine.core.rule import UpdateRule
 from pyasync.engine.core.shards import BucketLayout, build_layout
 from pyasync.engine.p2p.engine import Engine
 from pyasync.policy import BSP, Policy
+from pyasync.session import groups
 from pyasync.transport.base import Transport
 from pyasync.transport.tcp import TcpTransport
 
@@ -50,6 +51,7 @@ class Setup:
     max_grad_norm: float | None  # clipping inside the engine (None: none)
     grad_edits: str  # "detect" or "forbid"
     elastic: bool  # survive a dead worker (Note [Membership epochs])
+    policy: Policy  # the engine's policy as asked (a later epoch's Quorum(k) is k again once members allow)
 
     def layouts(self, world: int) -> list[BucketLayout]:
         """The buckets cut into ``world`` shards."""
@@ -144,7 +146,11 @@ def start_epoch(
 
 
 def destroy_group(group) -> None:
-    """Destroy one of the optimizer's gloo groups; a failure is a warning (nothing waits on it)."""
+    """Destroy one of the optimizer's gloo groups; a failure is a warning (nothing waits on it). A group of
+    a later epoch is not registered with torch: dropping the references frees it (Note [Groups of later
+    epochs] in session/groups.py)."""
+    if not groups.is_registered(group):
+        return
     try:
         dist.destroy_process_group(group)
     except Exception as e:

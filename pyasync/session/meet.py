@@ -554,19 +554,24 @@ def agree_members(store, key: str, proposal: list[int], old: list[int], timeout)
 
 
 def meet_members(
-    st, prefix: str, members: list[int], me: int, tp, old_globals: list[int], timeout
+    st, prefix: str, members: list[int], me: int, tp, old_globals: list[int], timeout, grace: float = 10.0
 ) -> list[int]:
     """Wait (at most ``timeout``) until every member has written its key under ``prefix``; the members
-    whose old connections ended meanwhile (they died during the epoch change), if any, instead."""
+    whose old connections ended meanwhile (they died during the epoch change), if any, instead. A member
+    new to the job (a joiner: not in ``old_globals``) that is still missing after ``grace`` seconds is
+    taken for dead (it waits for this record and answers within a poll)."""
     st.set(f"{prefix}/{me}", "ok")
     keys = {g: f"{prefix}/{g}" for g in members}
-    end = time.monotonic() + timeout.total_seconds()
+    start = time.monotonic()
+    end = start + timeout.total_seconds()
     while True:
         missing = [g for g in members if not st.check([keys[g]])]
         if not missing:
             return []
         failed = tp.probe() if tp is not None else {}
-        died = [g for g in missing if old_globals.index(g) in failed]
+        died = [g for g in missing if g in old_globals and old_globals.index(g) in failed]
+        if time.monotonic() - start > min(grace, timeout.total_seconds() / 2):
+            died += [g for g in missing if g not in old_globals]
         if died:
             return died
         if time.monotonic() > end:

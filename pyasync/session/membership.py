@@ -19,11 +19,13 @@ Note [Membership epochs]
        was stopped (SIGSTOP) and dropped for its silence, and then finds every peer gone when it runs
        again, waits for the majority's decision and finds itself left out: it raises
        :class:`pyasync.PeerFailure` ("dropped from the job").
-    3. **A fresh group.** gloo groups cannot shrink: a new gloo group of the members is built with
-       ``new_group(..., use_local_synchronization=True)`` (only the members take part; it lives on a
-       ``PrefixStore`` of the job's store named after its ranks) and a new TCP transport over it. The
-       store must outlive every worker: under torchrun the agent hosts it; a store hosted by rank 0's
-       process dies with rank 0.
+    3. **A fresh group.** gloo groups cannot shrink: a new gloo group of the members is built on a
+       ``PrefixStore`` of the job's store named after the epoch (only the members take part; Note
+       [Groups of later epochs] in session/groups.py) and a new TCP transport over it. The store must
+       outlive every worker: under torchrun the agent hosts it; a store hosted by rank 0's process
+       dies with rank 0. The members of an epoch may include workers that join (Note [Joining a
+       running job] in session/joining.py): they take part in every step below with nothing of the
+       old epoch, and receive their replica from the old owners (step 4c).
     4. **The lost shards' values** come from the freshest replica among the survivors: the one that
        installed the newest version of that shard (among equal versions, the one reflecting the most
        pushes; then the lowest rank) broadcasts it, with the clocks it reflects. Every survivor kept
@@ -37,9 +39,11 @@ Note [Membership epochs]
        Adam moments, step counts) comes from the last checkpoint saved in this epoch, else it is
        re-initialized; every worker's error-feedback residuals are reset: both are reported (log
        line, ``stats().epochs``).
-    6. **Go on.** A new engine over the members starts from these values; means divide by m (SSP/ASP
-       scale by 1/m; Quorum(k) with k > m waits for all m). Clocks restart at 0 in the new epoch
-       (``stats().clock`` keeps counting).
+    6. **Go on.** A new engine over the members starts from these values, and the members meet once
+       more (a barrier) before any of them pushes: a push that reached an owner before its shards were
+       loaded would be overwritten by the load (members end a change up to 0.2 s apart when one
+       joins). Means divide by m (SSP/ASP scale by 1/m; Quorum(k) with k > m waits for all m). Clocks
+       restart at 0 in the new epoch (``stats().clock`` keeps counting).
 
     BSP on collectives does not recover: a dead rank makes every survivor raise PeerFailure naming it,
     bounded by the timeout (resume from the last checkpoint). Use ``bsp:p2p`` for a BSP that survives.
@@ -47,6 +51,7 @@ Note [Membership epochs]
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -63,11 +68,12 @@ from pyasync.engine.p2p.replay import gather_frames, replay
 from pyasync.errors import PeerFailure
 from pyasync.ops import bucketing as ops_bucketing
 from pyasync.policy import Quorum
-from pyasync.session import meet
+from pyasync.session import groups, joining, meet
 from pyasync.session.epoch import Epoch, Setup, abandon, start_epoch
+from pyasync.session.joining import GONE, GRACE_S, Requests
 from pyasync.session.meet import agree_members, meet_members
 
-__all__ = ["EpochChange", "change_epoch"]
+__all__ = ["EpochChange", "change_epoch", "join_epoch"]
 
 _log = logging.getLogger("pyasync")
 
@@ -86,6 +92,8 @@ class EpochChange:
     pushes_resent: int = 0  # this worker's pushes to a lost owner replayed on the freshest replica
     pushes_replayed: int = 0  # pushes this rank replayed (the first member; every survivor's)
     reinitialized: list[str] = field(default_factory=list)  # what was not recovered
+    joined: list[int] = field(default_factory=list)  # global ids of workers that joined (Note [Joining a
+    # running job] in session/joining.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,9 +116,32 @@ class Members:
 
     number: int  # the next epoch
     members: list[int]  # its global ranks
-    group: dist.ProcessGroup  # the members' new gloo group
+    group: dist.ProcessGroup  # the members' new gloo group (Note [Groups of later epochs])
     lost: list[int]  # global ranks of the old epoch that are not members
     lost_old: list[int]  # the same, as ranks of the old epoch
+    me: int  # this rank's global id
+    key: str  # the job's prefix in the store
+    joined: list[int] = field(default_factory=list)  # members new to the job (joiners)
+
+
+@dataclass
+class Past:
+    """The epoch a change starts from, as the change reads it: a member's own, or (for a joiner, which
+    was not in it: ``rank`` None, no engine) its members and layouts."""
+
+    members: list[int]  # its global ranks
+    rank: int | None  # this rank in it (None: a joiner)
+    layouts: list  # its buckets cut into len(members) shards
+    engine: Any = None  # its engine (a member's)
+    last_checkpoint: str | None = None
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    @staticmethod
+    def of(epoch: Epoch) -> Past:
+        return Past(epoch.members, epoch.rank, epoch.layouts, epoch.engine, epoch.last_checkpoint)
 
 
 @dataclass
@@ -127,7 +158,7 @@ class Lost:
     pushes_lost: int = 0  # this worker's pushes that could not be replayed (none: all are kept)
 
 
-def _saved_state(epoch: Epoch, setup: Setup, ranks: list[int]) -> dict | None:
+def _saved_state(epoch: Past, setup: Setup, ranks: list[int]) -> dict | None:
     """{old rank: its shards} from the last checkpoint saved in ``epoch`` (its files checked as a load
     checks them), or None when there is none or it cannot be read."""
     d = epoch.last_checkpoint
@@ -164,9 +195,12 @@ def _drain(old) -> Drained:
     return Drained(snap, versions, clocks, pushed, old.pusher.retain)
 
 
-def _agree(epoch: Epoch, setup: Setup, lost: list[int]) -> Members:
-    """2. Agree on the members, and meet them in the store (a member that dies meanwhile: again without
-    it). 3. A fresh group of the members (through the store too)."""
+def _agree(
+    epoch: Epoch, setup: Setup, lost: list[int], requests: Requests | None, after: int | None = None
+) -> Members:
+    """2. Agree on the members (the survivors and the waiting joiners), and meet them in the store (a
+    member that dies meanwhile: again without it). 3. A fresh group of the members (through the store
+    too: Note [Groups of later epochs]). ``after``: the epoch number tried last (a change that failed)."""
     old, old_globals, timeout = epoch.engine, epoch.members, setup.timeout
     me = old_globals[epoch.rank]
     st = meet.store()
@@ -174,18 +208,17 @@ def _agree(epoch: Epoch, setup: Setup, lost: list[int]) -> Members:
         raise PeerFailure("pyasync: elastic membership needs the job's store (torch.distributed's)", lost)
     tp_old = old.transport
     gone = set(lost)
-    number = epoch.number
+    number = epoch.number if after is None else after
     meet.bound_store(st, timeout)  # Note [A bounded store] in session/meet.py
     try:
         while True:
             number += 1
+            survivors = [g for g in old_globals if g not in gone]
+            waiting = [j for j in requests.waiting(old_globals) if j not in gone] if requests else []
             members = agree_members(
-                st,
-                f"{epoch.key}/epoch{number}",
-                [g for g in old_globals if g not in gone],
-                old_globals,
-                timeout,
+                st, f"{epoch.key}/epoch{number}", survivors + waiting, old_globals, timeout
             )
+            st.set(f"{epoch.key}/epoch{number}/base", str(epoch.number))  # what a joiner starts from
             if me not in members:
                 raise PeerFailure(
                     f"pyasync: rank {me} was dropped from the job in membership epoch {number} (the others "
@@ -194,29 +227,29 @@ def _agree(epoch: Epoch, setup: Setup, lost: list[int]) -> Members:
                     [me],
                 )
             died = meet_members(
-                st, f"{epoch.key}/epoch{number}/here", members, me, tp_old, old_globals, timeout
+                st, f"{epoch.key}/epoch{number}/here", members, me, tp_old, old_globals, timeout, GRACE_S
             )
             if not died:
                 break
+            if requests is not None:
+                requests.mark([g for g in died if g not in old_globals], GONE)
             gone |= set(died)
         lost = [g for g in old_globals if g not in members]
-        group = dist.new_group(ranks=members, timeout=timeout, backend="gloo", use_local_synchronization=True)
+        joined = [g for g in members if g not in old_globals]
+        group = groups.build(st, f"{epoch.key}/epoch{number}/group", members.index(me), len(members), timeout)
     except Exception as e:  # the store failed: name its host, and say where it must live
         err = meet.store_failure(e, f"the change to membership epoch {number}", epoch.group, timeout)
         if err is None:
             raise
         old.record_failure(err)
         raise err from e
-    finally:
-        if tp_old is not None:
-            tp_old.close()
-    return Members(number, members, group, lost, [old_globals.index(g) for g in lost])
+    return Members(number, members, group, lost, [old_globals.index(g) for g in lost], me, epoch.key, joined)
 
 
-def _freshest(epoch: Epoch, setup: Setup, mem: Members, dr: Drained) -> Lost:
+def _freshest(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> Lost:
     """4. The lost shards' values: the freshest replica among the survivors (the newest version; among
     equal versions, the one reflecting the most pushes), and the clocks it reflects."""
-    members, group, m = mem.members, mem.group, len(mem.members)
+    group, m = mem.group, len(mem.members)
     n_old = len(epoch.members)
     keys = [(b, r) for b, lay in enumerate(epoch.layouts) for r in mem.lost_old if lay.shards[r].numel > 0]
     mine = torch.tensor(
@@ -237,8 +270,8 @@ def _freshest(epoch: Epoch, setup: Setup, mem: Members, dr: Drained) -> Lost:
         part = flats[b][sh.begin : sh.end].clone()
         inc = torch.tensor(dr.clocks.get((b, r), [-1] * n_old), dtype=torch.int64)
         if m > 1:
-            dist.broadcast(part, src=members[src], group=group)
-            dist.broadcast(inc, src=members[src], group=group)
+            dist.broadcast(part, group_src=src, group=group)
+            dist.broadcast(inc, group_src=src, group=group)
         flats[b][sh.begin : sh.end] = part
         fresh.append((col[src][0], inc.tolist()))
     for lay, flat in zip(epoch.layouts, flats):
@@ -246,14 +279,14 @@ def _freshest(epoch: Epoch, setup: Setup, mem: Members, dr: Drained) -> Lost:
     return Lost(keys, flats, fresh)
 
 
-def _replay_lost(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lost) -> None:
+def _replay_lost(epoch: Past, setup: Setup, mem: Members, dr: Drained, lost: Lost) -> None:
     """4b. The pushes those replicas do not reflect: every survivor kept them (Note [Replaying a dead
     owner's pushes]); the first member replays them on the lost shards, from their saved state (the
     last checkpoint of this epoch, else re-initialized). Fills in ``lost``."""
-    members, m, new_rank = mem.members, len(mem.members), mem.members.index(epoch.members[epoch.rank])
+    members, m, new_rank = mem.members, len(mem.members), mem.members.index(mem.me)
     keys, old = lost.keys, epoch.engine
     frames = []
-    for i, (b, r) in enumerate(keys):
+    for i, (b, r) in enumerate(keys if epoch.rank is not None else []):  # a joiner pushed nothing
         ref = lost.fresh[i][1][epoch.rank]
         kept = dr.retain.after((b, r), ref) if dr.retain is not None else []
         want = ref + 1
@@ -266,7 +299,10 @@ def _replay_lost(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lo
     lost.resent = len(frames)
     everyone = (
         gather_frames(
-            frames, group=mem.group, members=members, senders=[epoch.members.index(g) for g in members]
+            frames,
+            group=mem.group,
+            members=members,
+            senders=[epoch.members.index(g) if g in epoch.members else -1 for g in members],
         )
         if m > 1
         else [(i, epoch.rank, f) for i, _, f in frames]
@@ -299,16 +335,16 @@ def _replay_lost(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lo
         raise ValueError("pyasync: a member sent pushes to replay for a shard that was not lost")
 
 
-def _reshard(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lost) -> tuple[list, dict, bool]:
+def _reshard(epoch: Past, setup: Setup, mem: Members, dr: Drained, lost: Lost) -> tuple[list, dict, bool]:
     """5. Re-shard masters and optimizer state onto the members (disjoint parts, summed; each new shard
     cut as a checkpoint's: Note [Re-sharding]). Returns (the new layouts, this rank's new shards,
     whether the first member rebuilt the lost optimizer state from the last checkpoint)."""
     members, group, m = mem.members, mem.group, len(mem.members)
-    new_rank = members.index(epoch.members[epoch.rank])
+    new_rank = members.index(mem.me)
     new_layouts = setup.layouts(m)
     flag = torch.tensor([1 if lost.from_checkpoint else 0], dtype=torch.int64)
     if m > 1:
-        dist.broadcast(flag, src=members[0], group=group)
+        dist.broadcast(flag, group_src=0, group=group)
     names = sorted(setup.rule.state_names())
     dev = setup.params[0].device
     shards: dict[int, dict] = {}
@@ -318,8 +354,8 @@ def _reshard(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lost) 
         for sh in lay.shards:
             offs.append(offs[-1] + len(sh.segments))
         steps = torch.zeros(offs[-1], dtype=torch.int64)
-        own = lay.shards[epoch.rank]
-        if b in dr.snap:
+        if b in dr.snap:  # a joiner holds no shard of the old layout
+            own = lay.shards[epoch.rank]
             d = dr.snap[b]
             full["master"][own.begin : own.end] = d["master"].reshape(-1).cpu()
             for n in names:
@@ -348,39 +384,111 @@ def _reshard(epoch: Epoch, setup: Setup, mem: Members, dr: Drained, lost: Lost) 
     return new_layouts, shards, int(flag) == 1
 
 
-@torch.no_grad()
-def change_epoch(epoch: Epoch, setup: Setup) -> tuple[Epoch, EpochChange]:
-    """The next membership epoch after ``epoch``, without the ranks its engine saw leave (Note
-    [Membership epochs]): its engine started on the re-sharded values. Every survivor calls it; bounded
-    by the optimizer's timeout at every wait. ``epoch``'s engine is stopped (its group is the caller's
-    to destroy)."""
-    t0, started = time.monotonic(), time.time()
-    old = epoch.engine
-    seen = old.lost_at or started
-    me = epoch.members[epoch.rank]
-    seen_lost = [epoch.members[r] for r in sorted(old.lost)]
-    dr = _drain(old)
-    mem = _agree(epoch, setup, seen_lost)
-    m, lost = len(mem.members), mem.lost
-    new_rank = mem.members.index(me)
+def _give_replica(epoch: Past, setup: Setup, mem: Members) -> None:
+    """4c. The joiners' replica: every old owner that is still a member sends its own shards' values (all
+    survivors hold them equal once drained) to every joiner, point to point, all at once; the lost shards'
+    values came with step 4."""
+    members, group = mem.members, mem.group
+    new_rank = members.index(mem.me)
+    joiners = [members.index(j) for j in mem.joined]
+    works, into = [], []
+    for b, lay in enumerate(epoch.layouts):
+        flat = bucket_values(setup.params, lay)
+        for r, sh in enumerate(lay.shards):
+            if sh.numel == 0 or r in mem.lost_old:
+                continue
+            donor = members.index(epoch.members[r])
+            tag = b * epoch.world + r
+            if new_rank == donor:
+                part = flat[sh.begin : sh.end].contiguous()
+                works += [group.send([part], j, tag) for j in joiners]
+                into.append(part)  # kept alive until sent
+            elif new_rank in joiners:
+                part = torch.empty(sh.numel, dtype=flat.dtype)
+                works.append(group.recv([part], donor, tag))
+                into.append((lay, flat, sh, part))
+    for w in works:
+        w.wait()
+    for item in into:
+        if isinstance(item, tuple):
+            lay, flat, sh, part = item
+            flat[sh.begin : sh.end] = part
+            _unflat(setup.params, lay, flat)
+
+
+def _check_replicas(setup: Setup, layouts: list, mem: Members) -> None:
+    """After a join: every member's replica must hash the same (the joiner's transfer is checksummed end
+    to end); a difference is an error naming the members that differ."""
+    h = hashlib.blake2b(digest_size=8)
+    for lay in layouts:
+        h.update(bucket_values(setup.params, lay).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest(), "little", signed=True)], dtype=torch.int64)
+    table = [torch.zeros_like(mine) for _ in mem.members]
+    dist.all_gather(table, mine, group=mem.group)
+    odd = [g for g, t in zip(mem.members, table) if int(t) != int(table[0])]
+    if odd:
+        raise RuntimeError(
+            f"pyasync: after the join of {mem.joined}, the replicas of {odd} differ from member "
+            f"{mem.members[0]}'s: the state transfer was corrupted; restart the joiner"
+        )
+
+
+def _who_died(mem: Members, tp_old, old_globals: list[int], timeout, err: BaseException) -> list[int]:
+    """A change whose collectives failed: the members meet once more in the store; those that do not come
+    (dead; a joiner after GRACE_S) are returned, and the caller starts the change again without them.
+    Raises ``err`` when every member came (the failure was not a death)."""
+    st = meet.store()
+    prefix = f"{mem.key}/epoch{mem.number}/broken"
+    try:
+        died = meet_members(st, prefix, mem.members, mem.me, tp_old, old_globals, timeout, GRACE_S)
+    except PeerFailure as e:
+        raise e from err
+    if not died:
+        raise err
+    _log.warning(
+        "pyasync: membership epoch %d failed while its state moved (%s: %s); members %s are gone, the "
+        "change starts again without them",
+        mem.number,
+        type(err).__name__,
+        err,
+        died,
+    )
+    return died
+
+
+def _rebuild(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> tuple[Lost, list, dict, list[str]]:
+    """Steps 4-5 on every member, joiners included (the same collectives in the same order): the lost
+    shards, their replayed pushes, the joiners' replica, the re-shard. Returns (the lost shards, the new
+    layouts, this rank's new shards, what was re-initialized)."""
     gone = _freshest(epoch, setup, mem, dr)
     _replay_lost(epoch, setup, mem, dr, gone)
+    if mem.joined:
+        _give_replica(epoch, setup, mem)
+        _check_replicas(setup, epoch.layouts, mem)
     new_layouts, shards, from_checkpoint = _reshard(epoch, setup, mem, dr, gone)
     reinit = []
     if gone.keys and from_checkpoint:
         reinit.append(
-            f"optimizer state of the shards of ranks {lost} (from the checkpoint {epoch.last_checkpoint})"
+            f"optimizer state of the shards of ranks {mem.lost} (from the checkpoint {epoch.last_checkpoint})"
         )
     elif gone.keys:
-        reinit.append(f"optimizer state of the shards of ranks {lost} (re-initialized: no checkpoint)")
+        reinit.append(f"optimizer state of the shards of ranks {mem.lost} (re-initialized: no checkpoint)")
     if setup.compressor.error_feedback:
         corrected = setup.compressor.momentum is not None  # TopK's velocities too
         setup.compressor.reset()
-        reinit.append("error-feedback residuals" + (" and top-k velocities" if corrected else "")
-                      + " of every worker (reset)")
+        reinit.append(
+            "error-feedback residuals"
+            + (" and top-k velocities" if corrected else "")
+            + " of every worker (reset)"
+        )
+    return gone, new_layouts, shards, reinit
 
-    # 6. The new engine.
-    policy = epoch.policy
+
+def _start(setup: Setup, mem: Members, layouts: list, shards: dict, clock0: int, key: str) -> Epoch:
+    """6. The new engine over the members, from the re-sharded values. Quorum(k) asks the k the user gave
+    (at most the members)."""
+    m = len(mem.members)
+    policy = setup.policy
     if isinstance(policy, Quorum) and policy.k > m:
         policy = Quorum(m, late=policy.late)
     nxt = start_epoch(
@@ -389,18 +497,54 @@ def change_epoch(epoch: Epoch, setup: Setup) -> tuple[Epoch, EpochChange]:
         group=mem.group,
         control=mem.group if m > 1 else None,
         members=mem.members,
-        rank=new_rank,
-        layouts=new_layouts,
+        rank=mem.members.index(mem.me),
+        layouts=layouts,
         policy=policy,
-        clock0=epoch.clock0 + dr.pushed,
-        key=epoch.key,
+        clock0=clock0,
+        key=key,
         transport=setup.transport(mem.group) if m > 1 else None,
     )
     try:
         nxt.engine.shards.load(shards)
+        if m > 1:  # no member pushes before every owner has loaded: a push applied before the load is lost
+            groups.barrier(mem.group, setup.timeout)
     except BaseException as e:
         abandon(nxt, f"its membership change failed ({type(e).__name__}: {e})")
         raise
+    return nxt
+
+
+@torch.no_grad()
+def change_epoch(epoch: Epoch, setup: Setup, requests: Requests | None = None) -> tuple[Epoch, EpochChange]:
+    """The next membership epoch after ``epoch``, without the ranks its engine saw leave and with the
+    joiners whose requests wait in ``requests`` (Note [Membership epochs], Note [Joining a running job]):
+    its engine started on the re-sharded values. Every member calls it; bounded by the optimizer's timeout
+    at every wait. ``epoch``'s engine is stopped (its group is the caller's to destroy)."""
+    t0, started = time.monotonic(), time.time()
+    old = epoch.engine
+    seen = old.lost_at or started
+    me = epoch.members[epoch.rank]
+    seen_lost = [epoch.members[r] for r in sorted(old.lost)]
+    dr = _drain(old)
+    tp_old, gone_now, after = old.transport, list(seen_lost), None
+    try:  # the old connections stay open until the change is done: they tell who dies meanwhile
+        while True:
+            mem = _agree(epoch, setup, gone_now, requests, after)
+            try:
+                gone, new_layouts, shards, reinit = _rebuild(Past.of(epoch), setup, mem, dr)
+                nxt = _start(setup, mem, new_layouts, shards, epoch.clock0 + dr.pushed, epoch.key)
+                break
+            except Exception as e:  # a member died inside the change's collectives: again without it
+                died = _who_died(mem, tp_old, epoch.members, setup.timeout, e)
+                if requests is not None:
+                    requests.mark([g for g in died if g not in epoch.members], GONE)
+                gone_now += [g for g in died if g in epoch.members]
+                after = mem.number
+    finally:
+        if tp_old is not None:
+            tp_old.close()
+    m, lost = len(mem.members), mem.lost
+    new_rank = mem.members.index(me)
     change = EpochChange(
         epoch=mem.number,
         lost=lost,
@@ -412,13 +556,15 @@ def change_epoch(epoch: Epoch, setup: Setup) -> tuple[Epoch, EpochChange]:
         pushes_resent=gone.resent,
         pushes_replayed=gone.replayed,
         reinitialized=reinit,
+        joined=mem.joined,
     )
     _log.warning(
-        "pyasync: membership epoch %d: ranks %s left; %d ranks %s go on (rank %d is now %d of %d); "
-        "recovered in %.3f s; %d of this worker's pushes to the lost owners re-sent (%d replayed here), "
+        "pyasync: membership epoch %d: ranks %s left, %s joined; %d ranks %s go on (rank %d is now %d of "
+        "%d); changed in %.3f s; %d of this worker's pushes to the lost owners re-sent (%d replayed here), "
         "%d lost; re-initialized: %s",
         mem.number,
         lost,
+        mem.joined,
         m,
         mem.members,
         me,
@@ -429,5 +575,65 @@ def change_epoch(epoch: Epoch, setup: Setup) -> tuple[Epoch, EpochChange]:
         gone.replayed,
         gone.pushes_lost,
         "; ".join(reinit) or "nothing",
+    )
+    return nxt, change
+
+
+@torch.no_grad()
+def join_epoch(setup: Setup, items: dict[str, list[str]]) -> tuple[Epoch, EpochChange]:
+    """A new worker joins the running elastic job on this process's store (Note [Joining a running
+    job]): refused when it does not belong, else admitted at the members' next epoch change, with its
+    replica, its shards' masters and optimizer state; returns its first epoch (its engine running)."""
+    t0, started = time.monotonic(), time.time()
+    timeout = setup.timeout
+    st = meet.store()
+    if st is None:
+        raise PeerFailure("pyasync: joining a job needs torch.distributed initialised on the job's store", [])
+    meet.bound_store(st, timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
+    key = joining.find_job(st, timeout.total_seconds())
+    joining.check_belongs(st, key, items)
+    me = joining.ask(st, key)
+    n, dr = 1, Drained({}, {}, {}, 0, None)
+    while True:
+        n, members, before = joining.admitted(st, key, me, deadline, n)
+        died = meet_members(st, f"{key}/epoch{n}/here", members, me, None, before, timeout, GRACE_S)
+        if died:
+            n += 1  # a member died while the others met: the next record, without it
+            continue
+        group = groups.build(st, f"{key}/epoch{n}/group", members.index(me), len(members), timeout)
+        lost = [g for g in before if g not in members]
+        joined = [g for g in members if g not in before]
+        mem = Members(n, members, group, lost, [before.index(g) for g in lost], me, key, joined)
+        past = Past(before, None, setup.layouts(len(before)))
+        try:
+            _, new_layouts, shards, reinit = _rebuild(past, setup, mem, dr)
+            nxt = _start(setup, mem, new_layouts, shards, 0, key)
+            break
+        except Exception as e:  # a member died while the state moved: the members start again without
+            _log.warning(
+                "pyasync: joining epoch %d failed (%s: %s); waiting for the next", n, type(e).__name__, e
+            )
+            st.set(f"{key}/epoch{n}/broken/{me}", "ok")  # it, and this joiner's mark tells them it lives
+            n += 1
+    st.set(f"{key}/joiner/{me}", joining.MEMBER)
+    change = EpochChange(
+        epoch=n,
+        lost=lost,
+        members=members,
+        seconds=time.monotonic() - t0,
+        seen_at=started,
+        started_at=started,
+        pushes_lost=0,
+        reinitialized=reinit,
+        joined=mem.joined,
+    )
+    _log.warning(
+        "pyasync: worker %d joined the job in membership epoch %d as rank %d of %d in %.3f s",
+        me,
+        n,
+        mem.members.index(me),
+        len(members),
+        change.seconds,
     )
     return nxt, change

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from pyasync.errors import PeerFailure
+from pyasync.session import groups
 from pyasync.transport.base import FLOWS, Handle, Transport, TransportClosed
 from pyasync.transport.frames import FrameRing
 from pyasync.transport.heartbeats import Heartbeats
@@ -333,7 +334,7 @@ class TcpTransport(Transport):
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(e.g. backend='gloo') on every rank before creating the DistributedOptimizer"
             )
-        self.rank = dist.get_rank(process_group)
+        self.rank = groups.rank_of(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.timeout_s = timeout.total_seconds()
         self._socks: dict[str, dict[int, socket.socket]] = {f: {} for f in FLOWS}

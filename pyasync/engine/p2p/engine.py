@@ -27,6 +27,7 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
@@ -92,6 +93,9 @@ class Engine:
         self.lost: set[int] = set()  # ranks that left the membership (elastic: pyasync/session/membership.py)
         self.drained = False  # elastic: CLOSE sent and the live owners' finals installed (epoch change)
         self.lost_at: float | None = None  # wall time (time.time()) this rank first saw a rank leave
+        # elastic: asked once close() has every final: whether a joiner is admitted before this rank closes
+        # (Note [Joining a running job] in session/joining.py); set by the optimizer
+        self.admit_at_close: Callable[[], bool] | None = None
         self.max_grad_norm = max_grad_norm
         self.grad_edits = grad_edits
         self.gated = max_grad_norm is not None and policy.clips_mean and world_size > 1
@@ -523,7 +527,8 @@ class Engine:
                 self.grad_norm = self.clip.run()  # a slower rank's round: this rank still helps clip it
             self.mailbox.install(final=True)
             ok = True
-            if self.lost:  # elastic: a rank left while this one closed; the optimizer changes epoch
+            if self.lost or (self.admit_at_close is not None and self.admit_at_close()):
+                # elastic: a rank left, or a joiner is admitted, while this one closed: change epoch
                 self.closed, self.drained = False, True
                 return
         except BaseException as e:

@@ -130,29 +130,31 @@ def gather_frames(
     index rows and bytes, point to point."""
     import torch.distributed as dist
 
+    from pyasync.session import groups
+
     rows = torch.tensor([[k, f.numel()] for k, _, f in frames] or [[0, 0]], dtype=torch.int64)
     blob = torch.zeros(sum(_pad8(f.numel()) for _, _, f in frames) or 8, dtype=torch.uint8)
     off = 0
     for _, _, f in frames:
         blob[off : off + f.numel()] = f
         off += _pad8(f.numel())
-    me = dist.get_rank()
+    me = groups.rank_of(group)
     counts = [torch.zeros(2, dtype=torch.int64) for _ in members]
     dist.all_gather(counts, torch.tensor([len(frames), blob.numel()], dtype=torch.int64), group=group)
-    if me != members[0]:
+    if me != 0:
         if frames:
-            dist.send(rows, dst=members[0], group=group)
-            dist.send(blob, dst=members[0], group=group)
+            groups.send(rows, 0, group)
+            groups.send(blob, 0, group)
         return []
     out = [(k, senders[0], f) for k, _, f in frames]
-    for g, s, (n, nbytes) in zip(members[1:], senders[1:], counts[1:]):
+    for i, (g, s, (n, nbytes)) in enumerate(zip(members[1:], senders[1:], counts[1:]), start=1):
         n, nbytes = int(n), int(nbytes)
         if n == 0:
             continue
         their_rows = torch.empty(n, 2, dtype=torch.int64)
         their_blob = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(their_rows, src=g, group=group)
-        dist.recv(their_blob, src=g, group=group)
+        groups.recv(their_rows, i, group)
+        groups.recv(their_blob, i, group)
         off = 0
         for k, length in their_rows.tolist():
             if length < wire.HEADER_BYTES or off + length > nbytes:

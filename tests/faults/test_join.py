@@ -1,0 +1,226 @@
+"""A replacement worker joins a running elastic job (Note [Joining a running job] in
+pyasync/session/joining.py): a worker SIGKILLed mid-run, a new process started with PYASYNC_JOIN=1 on the
+job's store, admitted at the members' next epoch change. Real processes on loopback, real signals,
+bounded waits.
+
+The ledger: SGD with lr=1 on one-hot gradients, every push (worker id w, step t) at its own position, so
+each push moves exactly one element by 1/m, m the members of the epoch it was applied in (4, then 3, then
+4 again). Every push of every worker that finished must be there exactly once; replicas are equal after
+close()."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+from _dist import multiproc, run_with_replacements
+
+import pyasync
+
+TIMEOUT = datetime.timedelta(seconds=30)
+WORLD = 4
+MAXT = 4000  # steps per worker at most (positions of the ledger)
+AFTER = 12  # steps every worker takes once the job is back at full size
+
+
+def _members(opt) -> list[int]:
+    return opt.stats().members
+
+
+def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill_at: int):
+    n = (world + 2) * MAXT
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0),
+        policy=policy,
+        timeout=TIMEOUT,
+        elastic=True,
+        bucket_cap_mb=n // 3 * 4 / 2**20,  # several buckets: several shards per owner
+    )
+    ep = opt.epoch
+    me = ep.members[ep.rank]
+    t, full_since = 0, None
+    deadline = time.monotonic() + 90
+    while True:
+        if k is None and rank == victim and t == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        g = torch.zeros(n)
+        g[me * MAXT + t] = 1.0
+        (p * g).sum().backward()
+        opt.step()
+        t += 1
+        back = len(_members(opt)) == world and (k is not None or opt.stats().epoch >= 2)
+        if back and full_since is None:
+            full_since = t
+        if full_since is not None and t - full_since >= AFTER:
+            break
+        if t >= kill_at + 2 and full_since is None:  # waiting for the replacement: pace, do not spin
+            time.sleep(0.02)
+        assert t < MAXT and time.monotonic() < deadline, "the replacement never joined"
+    opt.close()
+    st = opt.stats()
+    return {"p": p.detach().clone(), "epochs": st.epochs, "me": me, "steps": t, "members": st.members}
+
+
+@multiproc
+@pytest.mark.parametrize("policy", ["asp", "ssp:2", "quorum:3", "bsp:p2p"])
+def test_a_replacement_joins_and_the_ledger_is_exact(policy):
+    victim = 2
+    ranks, joiners = run_with_replacements(_ledger, WORLD, 1, args=(policy, victim, 5), timeout=180)
+    assert ranks[victim] is None
+    (j,) = joiners
+    done = [r for r in ranks if r is not None] + [j]
+    assert len(done) == WORLD
+    ids = sorted(r["me"] for r in done)
+    assert j["me"] == WORLD and ids == [0, 1, 3, 4], ids
+    for r in done:
+        assert r["members"] == ids, r["members"]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+    assert j["epochs"][0]["joined"] == [WORLD]
+    for r in ranks:
+        if r is None:
+            continue
+        lost, joined = r["epochs"][0], r["epochs"][1]
+        assert lost["lost"] == [victim] and joined["joined"] == [WORLD], r["epochs"]
+    if policy.startswith("quorum"):
+        return  # Quorum drops late pushes by design: equal replicas and the membership are checked
+    p = -done[0]["p"]
+    seen = torch.zeros_like(p, dtype=torch.bool)
+    for r in done:
+        for t in range(r["steps"]):
+            i = r["me"] * MAXT + t
+            seen[i] = True
+            assert float(p[i]) in (0.25, pytest.approx(1 / 3)), (r["me"], t, float(p[i]))
+    for t in range(5):  # the victim's pushes before it died: applied once or not at all
+        i = victim * MAXT + t
+        seen[i] = True
+        assert float(p[i]) in (0.0, 0.25), (victim, t, float(p[i]))
+    assert float(p[~seen].abs().sum()) == 0.0
+
+
+def _grow(rank: int, world: int, k: int | None, target: int, die_after_asking: bool, settle: bool = False):
+    """Train under ASP until the job has ``target`` members, then AFTER steps more (``settle``: with at
+    least one membership change seen first, for a joiner expected to fail)."""
+    import pyasync.session.joining as joining_mod
+
+    if k is not None and die_after_asking:  # registered, then gone before the members meet it
+        real = joining_mod.ask
+        joining_mod.ask = lambda *a: real(*a) and os.kill(os.getpid(), signal.SIGKILL)
+    n = 8 * MAXT
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=1.0), policy="asp", timeout=TIMEOUT, elastic=True
+    )
+    ep = opt.epoch
+    me = ep.members[ep.rank]
+    t, full_since, deadline = 0, None, time.monotonic() + 90
+    while full_since is None or t - full_since < AFTER:
+        opt.zero_grad()
+        g = torch.zeros(n)
+        g[me * MAXT + t] = 1.0
+        (p * g).sum().backward()
+        opt.step()
+        t += 1
+        if full_since is None and len(_members(opt)) == target and (not settle or opt.stats().epoch >= 1):
+            full_since = t
+        if full_since is None:
+            time.sleep(0.02)  # the joiners are starting: pace the steps
+        assert t < MAXT and time.monotonic() < deadline, f"the job never reached {target} members"
+    opt.close()
+    st = opt.stats()
+    return {"p": p.detach().clone(), "epochs": st.epochs, "me": me, "steps": t, "members": st.members}
+
+
+@multiproc
+def test_two_joiners_at_once_grow_the_job():
+    ranks, joiners = run_with_replacements(_grow, 2, 0, args=(4, False), timeout=150, joiners=2)
+    done = ranks + joiners
+    assert sorted(r["me"] for r in done) == [0, 1, 2, 3]
+    p = -done[0]["p"]
+    seen = torch.zeros_like(p, dtype=torch.bool)
+    for r in done:
+        assert r["members"] == [0, 1, 2, 3]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+        for t in range(r["steps"]):
+            i = r["me"] * MAXT + t
+            seen[i] = True
+            assert float(p[i]) in (0.5, pytest.approx(1 / 3), 0.25), (r["me"], t, float(p[i]))
+    assert float(p[~seen].abs().sum()) == 0.0
+    assert sorted(g for r in ranks for c in r["epochs"] for g in c["joined"]) == [2, 2, 3, 3]
+
+
+@multiproc
+def test_a_joiner_that_dies_before_it_is_met_is_dropped():
+    ranks, joiners = run_with_replacements(_grow, 3, 0, args=(3, True), timeout=150, joiners=1)
+    assert joiners == [None]
+    for r in ranks:
+        assert r["members"] == [0, 1, 2]
+        torch.testing.assert_close(r["p"], ranks[0]["p"], rtol=0, atol=0)
+
+
+def _refused(rank: int, world: int, k: int | None, what: str):
+    shape, lr, codec = 64, 0.1, None
+    if k is not None:
+        shape, lr, codec = {
+            "model": (65, lr, codec),
+            "lr": (shape, 0.2, codec),
+            "codec": (shape, lr, "int8"),
+        }[what]
+    p = torch.nn.Parameter(torch.zeros(shape))
+    try:
+        opt = pyasync.DistributedOptimizer(
+            torch.optim.SGD([p], lr=lr), policy="asp", compression=codec, timeout=TIMEOUT, elastic=True
+        )
+    except ValueError as e:
+        return {"refused": str(e)}
+    for _ in range(20):
+        opt.zero_grad()
+        p.grad = torch.ones_like(p)
+        opt.step()
+    opt.close()
+    return {"members": opt.stats().members, "p": p.detach().clone()}
+
+
+@multiproc
+@pytest.mark.parametrize(
+    ("what", "says"), [("model", "parameters"), ("lr", "hyperparameters"), ("codec", "compression")]
+)
+def test_a_joiner_that_does_not_belong_is_refused(what, says):
+    ranks, (j,) = run_with_replacements(_refused, 2, 0, args=(what,), timeout=90, joiners=1)
+    assert "cannot join the running job" in j["refused"] and f"its {says} differ" in j["refused"], j
+    for r in ranks:
+        assert r["members"] == [0, 1]
+        torch.testing.assert_close(r["p"], torch.full((64,), -2.0), rtol=0, atol=1e-6)
+
+
+def _transfer_fault(rank: int, world: int, k: int | None, who: str):
+    import pyasync.session.membership as membership
+
+    if (who == "joiner" and k is not None) or (who == "donor" and k is None and rank == 1):
+
+        def dying(epoch, setup, mem):  # inside the change's collectives, while the state moves
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        membership._give_replica = dying
+    return _grow(rank, world, k, 3, False, settle=True)
+
+
+@multiproc
+@pytest.mark.parametrize("who", ["joiner", "donor"])
+def test_a_death_while_the_state_moves(who):
+    ranks, (j,) = run_with_replacements(_transfer_fault, 3, 0, args=(who,), timeout=150, joiners=1)
+    if who == "joiner":  # the job goes on at its size without it
+        assert j is None
+        done = ranks
+        assert all(r["members"] == [0, 1, 2] for r in done)
+    else:  # the joiner gets in without the dead donor; the job is back at 3 + 1 - 1
+        assert ranks[1] is None and j is not None
+        done = [ranks[0], ranks[2], j]
+        assert all(r["members"] == [0, 2, 3] for r in done), [r["members"] for r in done]
+    for r in done:
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
