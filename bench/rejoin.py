@@ -1,0 +1,181 @@
+"""What a join costs against the number of donors: a large state, a job of m members, one joiner.
+
+    python bench/rejoin.py --out bench/results/rejoin_cpu.json                  # 100M parameters, m = 1,2,4,8
+    python bench/rejoin.py --numel 10M --donors 2,4 --out /tmp/rejoin.json     # a quick look
+
+For each m it starts m workers of an elastic ASP job over a state of ``--numel`` fp32 parameters (several
+tensors, one 25 MB bucket each, SGD with momentum 0.9: master values and momentum on the owners), the
+job's store hosted by this process; each takes ``--steps`` steps, then a joiner starts (a fresh process,
+PYASYNC_JOIN=1: Note [Joining a running job] in pyasync/session/joining.py) while the members keep
+stepping (paced: one step per 50 ms), and every process stops ``--after`` steps after the join. Measured:
+
+* ``joiner_request_to_engine_s``: on the joiner, from its request in the store to its engine running
+  (its ``stats().epochs[0]["seconds"]``): the agreement, the group, the replica from the donors, the
+  replica check, the re-shard, the barrier;
+* ``joiner_start_to_first_push_s``: from the joiner process's start (before ``import torch``) to the end
+  of its first ``step()``;
+* ``members_pause_s``: the members' epoch change (median over members), the time they do not train;
+* ``replica_bytes_per_donor``: what each donor sends the joiner (its own shards' values; computed from
+  the layout, not counted on the wire), and ``reshard_bytes_per_member``: what each member sends in the
+  re-shard's all-reduce of masters and optimizer state (gloo's ring: 2 (m' - 1) / m' of the state,
+  m' = m + 1; computed).
+
+On this 2-core machine every process shares the same two cores and loopback, so the "parallel" donors
+compete for the CPU: the figures show what the protocol costs here, not what m machines would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+
+import _path  # noqa: F401  (the repository root on sys.path)
+
+BUCKET = 25 * 2**20 // 4  # elements per tensor: one default bucket each
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _numel(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    return int(float(t[:-1] if t[-1:] in "KMG" else t) * mult)
+
+
+def _worker(
+    slot: int, m: int, port: int, numel: int, steps: int, after: int, join: bool, t_start: float, out
+):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import pyasync
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=300)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        if join:
+            os.environ["PYASYNC_JOIN"] = "1"
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", store=store, rank=slot, world_size=m, timeout=timeout)
+        sizes = [BUCKET] * (numel // BUCKET) + ([numel % BUCKET] if numel % BUCKET else [])
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in sizes]
+        opt = pyasync.DistributedOptimizer(
+            torch.optim.SGD(params, lr=1e-3, momentum=0.9), policy="asp", timeout=timeout, elastic=True
+        )
+        gen = torch.Generator().manual_seed(slot + (1000 if join else 0))
+        first_push = None
+        t, joined_at = 0, None
+        while True:
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            t += 1
+            if first_push is None:
+                first_push = time.time() - t_start
+            if joined_at is None and (join or len(opt.stats().members) == m + 1):
+                joined_at = t
+            if joined_at is not None and t - joined_at >= after and t >= steps:
+                break
+            if joined_at is None and t >= steps:
+                time.sleep(0.05)  # the joiner is starting: pace the members' steps
+        opt.close()
+        st = opt.stats()
+        out.put((slot, join, {"first_push_s": first_push, "epochs": st.epochs}))
+        dist.destroy_process_group()
+    except BaseException as e:
+        import traceback
+
+        out.put((slot, join, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
+
+
+def run_one(m: int, numel: int, steps: int, after: int, timeout: float) -> dict:
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
+    )
+    procs = [
+        ctx.Process(target=_worker, args=(r, m, port, numel, steps, after, False, time.time(), out))
+        for r in range(m)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    # the job's record (pyasync/session/joining.py's JOB_KEY, under the workers' default-group prefix)
+    store.wait(["0//pyasync/elastic/job"], datetime.timedelta(seconds=timeout))
+    t0 = time.time()
+    joiner = ctx.Process(target=_worker, args=(m, m, port, numel, steps, after, True, t0, out))
+    joiner.start()
+    got = []
+    try:
+        while len(got) < m + 1 and time.monotonic() < deadline:
+            try:
+                got.append(out.get(timeout=1.0))
+            except queue.Empty:
+                if not any(p.is_alive() for p in [*procs, joiner]):
+                    break
+    finally:
+        for p in [*procs, joiner]:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for _, _, r in got if "error" in r]
+    if errors or len(got) < m + 1:
+        raise RuntimeError(f"m={m}: {len(got)} of {m + 1} reported; " + "\n".join(errors)[:4000])
+    j = next(r for _, jn, r in got if jn)
+    members = [r for _, jn, r in got if not jn]
+    state = 2 * numel * 4  # master values and momentum, fp32
+    return {
+        "donors": m,
+        "numel": numel,
+        "joiner_request_to_engine_s": j["epochs"][0]["seconds"],
+        "joiner_start_to_first_push_s": j["first_push_s"],
+        "members_pause_s": statistics.median(
+            next(c["seconds"] for c in r["epochs"] if c["joined"]) for r in members
+        ),
+        "members_pause_max_s": max(next(c["seconds"] for c in r["epochs"] if c["joined"]) for r in members),
+        "replica_bytes_per_donor": numel * 4 // m,
+        "reshard_bytes_per_member": int(2 * m / (m + 1) * state),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--numel", default="100M", help="parameters in the state (default 100M)")
+    p.add_argument("--donors", default="1,2,4,8", help="members before the join (default 1,2,4,8)")
+    p.add_argument("--steps", type=int, default=2, help="steps before the joiner starts (default 2)")
+    p.add_argument("--after", type=int, default=2, help="steps after the join (default 2)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most (default 900)")
+    p.add_argument("--out", required=True, help="JSON results (rewritten after every run)")
+    a = p.parse_args(argv)
+    numel = _numel(a.numel)
+    rows = []
+    for m in [int(x) for x in a.donors.split(",")]:
+        row = run_one(m, numel, a.steps, a.after, a.timeout)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(
+                {"command": " ".join(["python", "bench/rejoin.py", *sys.argv[1:]]), "runs": rows}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()
