@@ -1,7 +1,11 @@
 """What a join costs against the number of donors: a large state, a job of m members, one joiner.
 
-    python bench/rejoin.py --out bench/results/rejoin_cpu.json                  # 100M parameters, m = 1,2,4,8
-    python bench/rejoin.py --numel 10M --donors 2,4 --out /tmp/rejoin.json     # a quick look
+    python bench/rejoin.py --out bench/results/rejoin_cpu/rejoin_25M.json         # 25M parameters, m = 2,4,8
+    python bench/rejoin.py --numel 100M --donors 2 --out bench/results/rejoin_cpu/rejoin_100M.json
+    python bench/rejoin.py --numel 1M --donors 2 --out /tmp/rejoin.json               # a quick look
+
+Each process holds several copies of the state (parameters, a gradient, push frames, the copies elastic
+membership keeps until answered): 100M parameters with 4 members ran out of 24 GiB here.
 
 For each m it starts m workers of an elastic ASP job over a state of ``--numel`` fp32 parameters (several
 tensors, one 25 MB bucket each, SGD with momentum 0.9: master values and momentum on the owners), the
@@ -156,25 +160,28 @@ def run_one(m: int, numel: int, steps: int, after: int, timeout: float) -> dict:
     }
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--numel", default="100M", help="parameters in the state (default 100M)")
-    p.add_argument("--donors", default="1,2,4,8", help="members before the join (default 1,2,4,8)")
+    p.add_argument("--numel", default="25M", help="parameters in the state (default 25M)")
+    p.add_argument("--donors", default="2,4,8", help="members before the join, each >= 2 (default 2,4,8)")
     p.add_argument("--steps", type=int, default=2, help="steps before the joiner starts (default 2)")
     p.add_argument("--after", type=int, default=2, help="steps after the join (default 2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most (default 900)")
     p.add_argument("--out", required=True, help="JSON results (rewritten after every run)")
     a = p.parse_args(argv)
     numel = _numel(a.numel)
+    donors = [int(x) for x in a.donors.split(",")]
+    if min(donors) < 2:
+        p.error("--donors: a job of one worker does not publish its record and cannot be joined; use m >= 2")
+    command = " ".join(["python", "bench/rejoin.py", *(sys.argv[1:] if argv is None else argv)])
     rows = []
-    for m in [int(x) for x in a.donors.split(",")]:
+    for m in donors:
         row = run_one(m, numel, a.steps, a.after, a.timeout)
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(a.out, "w") as f:
-            json.dump(
-                {"command": " ".join(["python", "bench/rejoin.py", *sys.argv[1:]]), "runs": rows}, f, indent=1
-            )
+            json.dump({"command": command, "runs": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

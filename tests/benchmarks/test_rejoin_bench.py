@@ -1,0 +1,26 @@
+"""bench/rejoin.py on a tiny state: a joiner is admitted into a job of 2, and the record's figures are
+consistent (the joiner's request-to-engine time within its process-start-to-first-push time, the
+members' pause within the bound, the computed bytes as the layout says)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from _dist import multiproc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import rejoin
+
+
+@multiproc
+def test_a_join_is_measured(tmp_path):
+    out = tmp_path / "rejoin.json"
+    (row,) = rejoin.main(["--numel", "1M", "--donors", "2", "--timeout", "120", "--out", str(out)])
+    assert json.loads(out.read_text())["runs"] == [row]
+    assert 0 < row["joiner_request_to_engine_s"] < row["joiner_start_to_first_push_s"] < 120
+    assert 0 < row["members_pause_s"] <= row["members_pause_max_s"] < 60
+    assert row["replica_bytes_per_donor"] == 10**6 * 4 // 2
+    assert row["reshard_bytes_per_member"] == int(2 * 2 / 3 * 2 * 10**6 * 4)
