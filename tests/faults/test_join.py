@@ -31,6 +31,28 @@ def _members(opt) -> list[int]:
     return opt.stats().members
 
 
+def _push(opt, p: torch.nn.Parameter, me: int, t: int) -> None:
+    """One step of worker ``me``: a one-hot gradient at its own position for step ``t``."""
+    opt.zero_grad()
+    g = torch.zeros(p.numel())
+    g[me * MAXT + t] = 1.0
+    (p * g).sum().backward()
+    opt.step()
+
+
+def _check_ledger(done: list[dict], allowed: tuple) -> torch.Tensor:
+    """Every push of every worker that finished is in the replica once (its value in ``allowed``); the
+    positions seen, for the caller to check the rest."""
+    p = -done[0]["p"]
+    seen = torch.zeros_like(p, dtype=torch.bool)
+    for r in done:
+        for t in range(r["steps"]):
+            i = r["me"] * MAXT + t
+            seen[i] = True
+            assert float(p[i]) in allowed, (r["me"], t, float(p[i]))
+    return seen
+
+
 def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill_at: int):
     n = (world + 2) * MAXT
     p = torch.nn.Parameter(torch.zeros(n))
@@ -48,11 +70,7 @@ def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill
     while True:
         if k is None and rank == victim and t == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        opt.zero_grad()
-        g = torch.zeros(n)
-        g[me * MAXT + t] = 1.0
-        (p * g).sum().backward()
-        opt.step()
+        _push(opt, p, me, t)
         t += 1
         back = len(_members(opt)) == world and (k is not None or opt.stats().epoch >= 2)
         if back and full_since is None:
@@ -90,12 +108,7 @@ def test_a_replacement_joins_and_the_ledger_is_exact(policy):
     if policy.startswith("quorum"):
         return  # Quorum drops late pushes by design: equal replicas and the membership are checked
     p = -done[0]["p"]
-    seen = torch.zeros_like(p, dtype=torch.bool)
-    for r in done:
-        for t in range(r["steps"]):
-            i = r["me"] * MAXT + t
-            seen[i] = True
-            assert float(p[i]) in (0.25, pytest.approx(1 / 3)), (r["me"], t, float(p[i]))
+    seen = _check_ledger(done, (0.25, pytest.approx(1 / 3)))
     for t in range(5):  # the victim's pushes before it died: applied once or not at all
         i = victim * MAXT + t
         seen[i] = True
@@ -120,11 +133,7 @@ def _grow(rank: int, world: int, k: int | None, target: int, die_after_asking: b
     me = ep.members[ep.rank]
     t, full_since, deadline = 0, None, time.monotonic() + 90
     while full_since is None or t - full_since < AFTER:
-        opt.zero_grad()
-        g = torch.zeros(n)
-        g[me * MAXT + t] = 1.0
-        (p * g).sum().backward()
-        opt.step()
+        _push(opt, p, me, t)
         t += 1
         if full_since is None and len(_members(opt)) == target and (not settle or opt.stats().epoch >= 1):
             full_since = t
@@ -141,16 +150,11 @@ def test_two_joiners_at_once_grow_the_job():
     ranks, joiners = run_with_replacements(_grow, 2, 0, args=(4, False), timeout=150, joiners=2)
     done = ranks + joiners
     assert sorted(r["me"] for r in done) == [0, 1, 2, 3]
-    p = -done[0]["p"]
-    seen = torch.zeros_like(p, dtype=torch.bool)
     for r in done:
         assert r["members"] == [0, 1, 2, 3]
         torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
-        for t in range(r["steps"]):
-            i = r["me"] * MAXT + t
-            seen[i] = True
-            assert float(p[i]) in (0.5, pytest.approx(1 / 3), 0.25), (r["me"], t, float(p[i]))
-    assert float(p[~seen].abs().sum()) == 0.0
+    seen = _check_ledger(done, (0.5, pytest.approx(1 / 3), 0.25))
+    assert float(done[0]["p"][~seen].abs().sum()) == 0.0
     assert sorted(g for r in ranks for c in r["epochs"] for g in c["joined"]) == [2, 2, 3, 3]
 
 
