@@ -272,7 +272,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ep, req = self._epoch, self._requests
         if req is None:
             return False
-        return decide_fate(req.st, ep.key, ep.number, grow=False)
+        try:
+            return decide_fate(req.st, ep.key, ep.number, grow=False)
+        except Exception as e:
+            self._stop_looking(e)
+            return False
+
+    def _stop_looking(self, e: BaseException) -> None:
+        """The store failed while this member looked for joiners: it stops looking (once, with a warning)
+        and trains on; a membership change that needs the store names it then (Note [A bounded store])."""
+        self._requests = None
+        self._epoch.engine.admit_at_close = None
+        warnings.warn(
+            f"pyasync: the job's store failed while this worker looked for joiners ({type(e).__name__}: "
+            f"{e}); it admits no more joiners",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _init_hooks(self) -> None:
         """The hook registries torch.optim.Optimizer's own __init__ would make (it is not called)."""
@@ -341,9 +357,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """A join request waits (looked for at most every POLL_S seconds); this member claims the change
         for it (Note [Joining a running job]: the members in close() then take part)."""
         ep, req = self._epoch, self._requests
-        if req is None or not req.due(ep.members):
+        try:
+            if req is None or not req.due(ep.members):
+                return False
+            grow = decide_fate(req.st, ep.key, ep.number, grow=True)
+        except Exception as e:  # the store's host is gone or stopped (Note [A bounded store])
+            self._stop_looking(e)
             return False
-        if not decide_fate(req.st, ep.key, ep.number, grow=True):
+        if not grow:
             raise RuntimeError(  # the members decide "end" only once every member has closed
                 f"pyasync: epoch {ep.number} was decided to end while this member still trains"
             )
