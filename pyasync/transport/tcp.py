@@ -334,7 +334,8 @@ class TcpTransport(Transport):
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(e.g. backend='gloo') on every rank before creating the DistributedOptimizer"
             )
-        self.rank = groups.rank_of(process_group)
+        registered = groups.is_registered(process_group)  # a later epoch's group is not (session/groups.py)
+        self.rank = dist.get_rank(process_group) if registered else process_group.rank()
         self.world_size = dist.get_world_size(process_group)
         self.timeout_s = timeout.total_seconds()
         self._socks: dict[str, dict[int, socket.socket]] = {f: {} for f in FLOWS}
