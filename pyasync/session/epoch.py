@@ -188,7 +188,7 @@ def abandon(epoch: Epoch, why: str = LEFT) -> None:
     control = epoch.control
     if control is None:
         return
-    if dist.is_available() and any(g is control for g in dist.distributed_c10d._world.pg_map):
+    if dist.is_available() and groups.is_registered(control):
         release_control(epoch)
     else:
         epoch.control = None
