@@ -31,7 +31,23 @@ import torch
 from pyasync.checkpoint.common import CheckpointError, Target
 from pyasync.checkpoint.validate import check_state, layouts_for, read_shard
 
-__all__ = ["cut_shard", "reshard"]
+__all__ = ["cut_shard", "reshard", "segment_steps"]
+
+
+def segment_steps(steps: list[list[int]], old, new) -> list[int]:
+    """The step count of each segment of the new ShardLayout ``new``: that of the old segment (of the
+    bucket's old BucketLayout ``old``, ``steps[r]`` per segment of old shard r) holding its first
+    element."""
+    spans = [
+        (sh.begin + seg.begin, sh.begin + seg.end, int(steps[r][i]))
+        for r, sh in enumerate(old.shards)
+        for i, seg in enumerate(sh.segments)
+    ]
+    out = []
+    for seg in new.segments:
+        at = new.begin + seg.begin
+        out.append(next(c for lo, hi, c in spans if lo <= at < hi))
+    return out
 
 
 def cut_shard(full: dict[str, torch.Tensor], steps: list[list[int]], old, new, device=None) -> dict:
@@ -40,17 +56,9 @@ def cut_shard(full: dict[str, torch.Tensor], steps: list[list[int]], old, new, d
     segment of old shard r of ``old`` (the bucket's old BucketLayout); ``new`` is the new ShardLayout.
     Returns {"master", "optim": {state names..., "steps"}}, copies (on ``device`` when given). Each
     new segment takes the step count of the old segment holding its first element (all segments of
-    one parameter step together). See Note [Re-sharding]; membership changes re-shard with it too
-    (Note [Membership epochs] in session/membership.py)."""
-    spans = [
-        (sh.begin + seg.begin, sh.begin + seg.end, int(steps[r][i]))
-        for r, sh in enumerate(old.shards)
-        for i, seg in enumerate(sh.segments)
-    ]
-    seg_steps = []
-    for seg in new.segments:
-        at = new.begin + seg.begin
-        seg_steps.append(next(c for lo, hi, c in spans if lo <= at < hi))
+    one parameter step together). See Note [Re-sharding]; membership changes cut step counts the same
+    way (:func:`segment_steps`, Note [Re-splitting onto the members] in session/membership.py)."""
+    seg_steps = segment_steps(steps, old, new)
 
     def piece(t: torch.Tensor) -> torch.Tensor:
         out = t[new.begin : new.end].clone()

@@ -33,12 +33,12 @@ Note [Membership epochs]
        does not reflect go to the first member, which replays them on it as the dead owner would have
        (Note [Replaying a dead owner's pushes] in engine/p2p/replay.py): no survivor's push is lost
        (``stats().pushes_resent``; ``pushes_lost`` counts any that could not be replayed: none).
-    5. **Re-shard.** The buckets are cut into m shards for the m members (the checkpoints' re-sharding,
-       Note [Re-sharding]); master values and optimizer state of the live owners move to their new
-       owners exactly (an all-reduce of disjoint parts). The lost shards' optimizer state (momentum,
-       Adam moments, step counts) comes from the last checkpoint saved in this epoch, else it is
-       re-initialized; every worker's error-feedback residuals are reset: both are reported (log
-       line, ``stats().epochs``).
+    5. **Re-split.** The buckets are cut into m shards for the m members (the checkpoints' re-sharding,
+       Note [Re-sharding]); master values and optimizer state move to their new owners exactly, point
+       to point, only the parts that change owner (Note [Re-splitting onto the members]). The lost
+       shards' optimizer state (momentum, Adam moments, step counts) comes from the last checkpoint
+       saved in this epoch, else it is re-initialized; every worker's error-feedback residuals are
+       reset: both are reported (log line, ``stats().epochs``).
     6. **Go on.** A new engine over the members starts from these values, and the members meet once
        more (a barrier) before any of them pushes: a push that reached an owner before its shards were
        loaded would be overwritten by the load (members end a change up to 0.2 s apart when one
@@ -47,6 +47,19 @@ Note [Membership epochs]
 
     BSP on collectives does not recover: a dead rank makes every survivor raise PeerFailure naming it,
     bounded by the timeout (resume from the last checkpoint). Use ``bsp:p2p`` for a BSP that survives.
+
+Note [Re-splitting onto the members]
+    Old shard r of a bucket is held, once drained, by its owner (or, when r was lost, by the first
+    member, which rebuilt it in step 4b); new shard j goes to member j. For every pair whose ranges
+    overlap, the holder sends the overlap to member j (masters and every optimizer state tensor in
+    one message, point to point, all pairs at once) unless it is member j; the step counts per old
+    segment (a few integers per bucket) are summed over the members. Only what changes owner moves:
+    from m to m + 1 owners about half the state, and no member sends more than 1/(m + 1) of it nor
+    receives more than its new shard, so the re-split's critical path shrinks as members are added
+    (an all-reduce of the whole state, as before, made every member send about twice the state
+    whatever m). A joiner holds nothing of the old layout: it receives its new shard's parts from
+    the one or two old owners whose ranges overlap it, and its replica from every old owner (4c).
+    ``stats().epochs[i]["bytes_sent"]`` and ``["bytes_received"]`` count what moved.
 """
 
 from __future__ import annotations
@@ -61,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pyasync.checkpoint.reshard import cut_shard
+from pyasync.checkpoint.reshard import segment_steps
 from pyasync.checkpoint.validate import read_manifest, read_shard
 from pyasync.engine.core.access import bucket_values
 from pyasync.engine.p2p.replay import gather_frames, replay
@@ -94,6 +107,8 @@ class EpochChange:
     reinitialized: list[str] = field(default_factory=list)  # what was not recovered
     joined: list[int] = field(default_factory=list)  # global ids of workers that joined (Note [Joining a
     # running job] in session/joining.py)
+    bytes_sent: int = 0  # state this rank sent point to point (a joiner's replica, the re-split)
+    bytes_received: int = 0  # and received (the lost shards' broadcasts are not counted)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +137,8 @@ class Members:
     me: int  # this rank's global id
     key: str  # the job's prefix in the store
     joined: list[int] = field(default_factory=list)  # members new to the job (joiners)
+    sent: int = 0  # state bytes this rank sent point to point in the change (replica, re-split)
+    received: int = 0  # and received
 
 
 @dataclass
@@ -335,52 +352,90 @@ def _replay_lost(epoch: Past, setup: Setup, mem: Members, dr: Drained, lost: Los
         raise ValueError("pyasync: a member sent pushes to replay for a shard that was not lost")
 
 
+def _holder(epoch: Past, mem: Members, r: int) -> int:
+    """The member (new rank) holding old shard ``r``'s masters and optimizer state once drained: its
+    owner, or for a lost shard the first member, which rebuilt it (4b)."""
+    return 0 if r in mem.lost_old else mem.members.index(epoch.members[r])
+
+
+def _old_state(dr: Drained, lost: Lost, b: int, r: int, names: list[str]) -> tuple[list, list[int]]:
+    """Old shard ``r`` of bucket ``b`` as its holder keeps it: ([master, *state tensors] (None where the
+    rule allocated none), the step count per segment)."""
+    st = lost.rebuilt.get((b, r))
+    if st is not None:
+        return [st.master, *(getattr(st, n) for n in names)], list(st.steps)
+    d = dr.snap[b]
+    return [d["master"], *(d["optim"].get(n) for n in names)], d["optim"]["steps"].reshape(-1).tolist()
+
+
 def _reshard(epoch: Past, setup: Setup, mem: Members, dr: Drained, lost: Lost) -> tuple[list, dict, bool]:
-    """5. Re-shard masters and optimizer state onto the members (disjoint parts, summed; each new shard
-    cut as a checkpoint's: Note [Re-sharding]). Returns (the new layouts, this rank's new shards,
-    whether the first member rebuilt the lost optimizer state from the last checkpoint)."""
+    """5. Re-split masters and optimizer state onto the members (Note [Re-splitting onto the members]).
+    Returns (the new layouts, this rank's new shards, whether the first member rebuilt the lost
+    optimizer state from the last checkpoint)."""
     members, group, m = mem.members, mem.group, len(mem.members)
-    new_rank = members.index(mem.me)
+    me = members.index(mem.me)
     new_layouts = setup.layouts(m)
     flag = torch.tensor([1 if lost.from_checkpoint else 0], dtype=torch.int64)
-    if m > 1:
-        dist.broadcast(flag, group_src=0, group=group)
     names = sorted(setup.rule.state_names())
-    dev = setup.params[0].device
-    shards: dict[int, dict] = {}
-    for b, lay in enumerate(epoch.layouts):
-        full = {n: torch.zeros(lay.numel, dtype=torch.float32) for n in ["master", *names]}
-        offs = [0]
+    # The step counts per old segment (a few per bucket): each holder writes its own, summed.
+    offs = [0]
+    for lay in epoch.layouts:
         for sh in lay.shards:
             offs.append(offs[-1] + len(sh.segments))
-        steps = torch.zeros(offs[-1], dtype=torch.int64)
-        if b in dr.snap:  # a joiner holds no shard of the old layout
-            own = lay.shards[epoch.rank]
-            d = dr.snap[b]
-            full["master"][own.begin : own.end] = d["master"].reshape(-1).cpu()
-            for n in names:
-                if n in d["optim"]:
-                    full[n][own.begin : own.end] = d["optim"][n].reshape(-1).cpu()
-            steps[offs[epoch.rank] : offs[epoch.rank + 1]] = d["optim"]["steps"].reshape(-1)
-        for r in mem.lost_old:  # the lost ranges, rebuilt on the first member (4b)
-            st = lost.rebuilt.get((b, r))
-            if st is None:
-                continue
-            sh = lay.shards[r]
-            full["master"][sh.begin : sh.end] = st.master.cpu()
-            for n in names:
-                if getattr(st, n) is not None:
-                    full[n][sh.begin : sh.end] = getattr(st, n).cpu()
-            steps[offs[r] : offs[r + 1]] = torch.tensor(st.steps, dtype=torch.int64)
-        if m > 1:
-            for n in ["master", *names]:
-                dist.all_reduce(full[n], group=group)
-            dist.all_reduce(steps, group=group)
-        new = new_layouts[b].shards[new_rank]
-        if new.numel == 0:
-            continue
-        per_shard = [steps[offs[r] : offs[r + 1]].tolist() for r in range(len(lay.shards))]
-        shards[b] = cut_shard(full, per_shard, lay, new, device=dev)
+    per = len(epoch.layouts[0].shards) if epoch.layouts else 0
+    steps = torch.zeros(offs[-1], dtype=torch.int64)
+    for b, lay in enumerate(epoch.layouts):
+        for r, sh in enumerate(lay.shards):
+            if sh.segments and _holder(epoch, mem, r) == me:
+                steps[offs[b * per + r] : offs[b * per + r + 1]] = torch.tensor(
+                    _old_state(dr, lost, b, r, names)[1], dtype=torch.int64
+                )
+    if m > 1:
+        dist.broadcast(flag, group_src=0, group=group)
+        dist.all_reduce(steps, group=group)
+    dev = setup.params[0].device
+    works, keep, into = [], [], []  # keep: what is being sent, alive until sent
+    mine: dict[int, torch.Tensor] = {}  # bucket -> [1 + len(names), numel] of this rank's new shard
+    for b, lay in enumerate(epoch.layouts):
+        new = new_layouts[b].shards
+        if new[me].numel:
+            mine[b] = torch.zeros(1 + len(names), new[me].numel, dtype=torch.float32)
+        for r, sh in enumerate(lay.shards):
+            src, tag = _holder(epoch, mem, r), (1 << 24) + b * epoch.world + r
+            for j, nsh in enumerate(new):
+                lo, hi = max(sh.begin, nsh.begin), min(sh.end, nsh.end)
+                if lo >= hi or me not in (src, j):
+                    continue
+                if src == me:
+                    parts = _old_state(dr, lost, b, r, names)[0]
+                    piece = torch.zeros(1 + len(names), hi - lo, dtype=torch.float32)
+                    for i, t in enumerate(parts):
+                        if t is not None:
+                            piece[i] = t.reshape(-1)[lo - sh.begin : hi - sh.begin].cpu()
+                    if j == me:
+                        mine[b][:, lo - nsh.begin : hi - nsh.begin] = piece
+                    else:
+                        works.append(group.send([piece], j, tag))
+                        keep.append(piece)
+                        mem.sent += piece.numel() * 4
+                else:
+                    piece = torch.empty(1 + len(names), hi - lo, dtype=torch.float32)
+                    works.append(group.recv([piece], src, tag))
+                    into.append((b, lo - nsh.begin, piece))
+                    mem.received += piece.numel() * 4
+    for w in works:
+        w.wait()
+    for b, at, piece in into:
+        mine[b][:, at : at + piece.shape[1]] = piece
+    shards: dict[int, dict] = {}
+    for b, full in mine.items():
+        lay = epoch.layouts[b]
+        per_shard = [steps[offs[b * per + r] : offs[b * per + r + 1]].tolist() for r in range(per)]
+        optim = {n: full[1 + i].to(dev) for i, n in enumerate(names)}
+        optim["steps"] = torch.tensor(
+            segment_steps(per_shard, lay, new_layouts[b].shards[me]), dtype=torch.int64
+        )
+        shards[b] = {"master": full[0].to(dev), "optim": optim}
     return new_layouts, shards, int(flag) == 1
 
 
@@ -403,10 +458,12 @@ def _give_replica(epoch: Past, setup: Setup, mem: Members) -> None:
                 part = flat[sh.begin : sh.end].contiguous()
                 works += [group.send([part], j, tag) for j in joiners]
                 into.append(part)  # kept alive until sent
+                mem.sent += part.numel() * part.element_size() * len(joiners)
             elif new_rank in joiners:
                 part = torch.empty(sh.numel, dtype=flat.dtype)
                 works.append(group.recv([part], donor, tag))
                 into.append((lay, flat, sh, part))
+                mem.received += part.numel() * part.element_size()
     for w in works:
         w.wait()
     for item in into:
@@ -557,6 +614,8 @@ def change_epoch(epoch: Epoch, setup: Setup, requests: Requests | None = None) -
         pushes_replayed=gone.replayed,
         reinitialized=reinit,
         joined=mem.joined,
+        bytes_sent=mem.sent,
+        bytes_received=mem.received,
     )
     _log.warning(
         "pyasync: membership epoch %d: ranks %s left, %s joined; %d ranks %s go on (rank %d is now %d of "
@@ -627,6 +686,8 @@ def join_epoch(setup: Setup, items: dict[str, list[str]]) -> tuple[Epoch, EpochC
         pushes_lost=0,
         reinitialized=reinit,
         joined=mem.joined,
+        bytes_sent=mem.sent,
+        bytes_received=mem.received,
     )
     _log.warning(
         "pyasync: worker %d joined the job in membership epoch %d as rank %d of %d in %.3f s",

@@ -53,7 +53,7 @@ def _check_ledger(done: list[dict], allowed: tuple) -> torch.Tensor:
     return seen
 
 
-def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill_at: int):
+def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill_at: int, back_at: int = 2):
     n = (world + 2) * MAXT
     p = torch.nn.Parameter(torch.zeros(n))
     opt = pyasync.DistributedOptimizer(
@@ -72,7 +72,7 @@ def _ledger(rank: int, world: int, k: int | None, policy: str, victim: int, kill
             os.kill(os.getpid(), signal.SIGKILL)
         _push(opt, p, me, t)
         t += 1
-        back = len(_members(opt)) == world and (k is not None or opt.stats().epoch >= 2)
+        back = len(_members(opt)) == world and (k is not None or opt.stats().epoch >= back_at)
         if back and full_since is None:
             full_since = t
         if full_since is not None and t - full_since >= AFTER:
@@ -113,6 +113,54 @@ def test_a_replacement_joins_and_the_ledger_is_exact(policy):
         i = victim * MAXT + t
         seen[i] = True
         assert float(p[i]) in (0.0, 0.25), (victim, t, float(p[i]))
+    assert float(p[~seen].abs().sum()) == 0.0
+
+
+def _join_in_a_death(rank: int, world: int, k: int | None, stage: str):
+    """A replacement asks while the survivors change epoch after a death. ``agree``: before they agree on
+    the members (the death's change admits it too); ``move``: after they agreed, while the state moves
+    (the next change admits it). The survivors hold there until its request is in the store."""
+    import pyasync.session.membership as membership
+    from pyasync.session import meet
+
+    st, wait = meet.store(), datetime.timedelta(seconds=60)
+    if k is not None:  # the replacement: ask only once the survivors are inside the change
+        st.wait(["test/changing"], wait)
+    elif rank != 2:
+        name = "_agree" if stage == "agree" else "_rebuild"
+        real, first = getattr(membership, name), [True]
+
+        def held(*a, **kw):
+            if first[0]:  # the first change only: the death's
+                first[0] = False
+                st.set("test/changing", "1")
+                key = st.get("pyasync/elastic/job").decode()
+                st.wait([f"{key}/joiner/{world}"], wait)  # the replacement's request
+            return real(*a, **kw)
+
+        setattr(membership, name, held)
+    return _ledger(rank, world, k, "asp", 2, 5, 1 if stage == "agree" else 2)
+
+
+@multiproc
+@pytest.mark.parametrize("stage", ["agree", "move"])
+def test_a_join_during_a_deaths_change(stage):
+    ranks, (j,) = run_with_replacements(_join_in_a_death, WORLD, 1, args=(stage,), timeout=180)
+    assert ranks[2] is None and j is not None
+    done = [r for r in ranks if r is not None] + [j]
+    for r in done:
+        assert r["members"] == [0, 1, 3, 4], r["members"]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+    for r in done[:-1]:
+        changes = [(e["lost"], e["joined"]) for e in r["epochs"]]
+        want = [([2], [4])] if stage == "agree" else [([2], []), ([], [4])]
+        assert changes == want, changes
+    p = -done[0]["p"]
+    seen = _check_ledger(done, (0.25, pytest.approx(1 / 3)))
+    for t in range(5):  # the victim's pushes before it died: applied once or not at all
+        i = 2 * MAXT + t
+        seen[i] = True
+        assert float(p[i]) in (0.0, 0.25), (t, float(p[i]))
     assert float(p[~seen].abs().sum()) == 0.0
 
 
