@@ -28,6 +28,30 @@ them from competing for them). Measured, per run:
 
 Results (JSON) are rewritten after every run.
 
+Note [Rejoining]
+    With ``--rejoin S`` the killed run goes on: S seconds after the victim's process ended, this bench
+    starts its replacement (same rank's data shard, same seed), which joins the running job, and the
+    job ends at full size. For pyasync the replacement is a fresh process with ``PYASYNC_JOIN=1`` on
+    the job's store (its own one-rank default group; Note [Joining a running job] in
+    pyasync/session/joining.py); it trains until the first survivor has finished its steps (a store
+    key), then closes. For torchft it is a fresh process with the victim's ``replica_id``: its Manager
+    joins the lighthouse's next quorum, finds itself behind and heals, receiving the model's and the
+    optimizer's state from one peer over torchft's HTTP checkpoint transport, then trains until it has
+    committed ``--steps`` steps as the survivors do. Measured alike for both (``summarize_rejoin``):
+
+    * ``rejoin_start_to_first_step_s``: from the replacement's start (before its interpreter) to the
+      end of its first step that counted (torchft: committed);
+    * ``rejoin_pause_s``: the survivors' longest step while it joined (between its start and its first
+      step), less their median step before the kill (median over survivors); for pyasync also
+      ``rejoin_change_s``, the membership change itself (``stats().epochs``);
+    * ``rejoin_donor_bytes``: the state each donor sent (pyasync: counted by the change, replica and
+      re-split; torchft: its state's tensors, which one peer sends, computed), and
+      ``rejoin_joiner_bytes``, what the replacement received;
+    * ``rejoin_samples_per_s_during`` (from the kill to the replacement's first step) and ``_after``
+      (from then to the end), every worker's counted steps; ``samples_per_s_before`` as above;
+    * ``rejoin_size_at_end``, ``rejoin_accuracy`` (the replacement's model) and
+      ``rejoin_replicas_equal``; ``accuracy_uninterrupted`` is the uninterrupted run's.
+
 Note [torchft under a kill]
     torchft 0.2.0 runs the same model, data, shards, seed, SGD, device sleep and kill (same victim, at
     the start of its step ``--kill-at``), DDP-style as its ``train_ddp.py``: every rank is a replica
@@ -86,11 +110,17 @@ __all__ = ["main", "summarize"]
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> None:
+    """One rank of the job; with ``cfg["join"]``, the victim's replacement (Note [Rejoining])."""
     os.environ["PYASYNC_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=cfg["timeout"])
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    join = cfg.get("join", False)
+    store = dist.TCPStore("127.0.0.1", port, None if join else world, False, timeout=timeout)
+    if join:  # its own one-rank group on the job's store (Note [Joining a running job])
+        os.environ["PYASYNC_JOIN"] = "1"
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     data = load_digits_split(cfg["seed"])
     idx = shard_indices(len(data.x_train), rank, world, cfg["seed"])
     x, y = data.x_train[idx], data.y_train[idx]
@@ -107,6 +137,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
         if kill and rank == cfg["victim"] and t == cfg["kill_at"]:
             store.set("killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if join and store.check(["finished"]):  # a survivor is done: so is its replacement
+            break
         time.sleep(cfg["device_ms"] / 1000.0)  # the emulated device (see the module docstring)
         xb, yb = next(draw)
         opt.zero_grad()
@@ -114,14 +146,19 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
         opt.step()
         ends.append(time.time())
         epochs.append(opt.stats().epoch)
+    if cfg.get("rejoin") is not None and not join:
+        store.add("finished", 1)
     opt.close()
     st = opt.stats()
     out.put(
         {
             "rank": rank,
+            "joiner": join,
+            "started_at": cfg.get("started_at"),
             "ends": ends,
             "epochs": epochs,
             "changes": st.epochs,
+            "members": st.members,
             "accuracy": accuracy(model, data.x_test, data.y_test),
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()[:64],
             "killed_at": float(store.get("killed_at")) if kill else None,
@@ -153,7 +190,7 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=cfg["timeout"])
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, None if cfg.get("join") else world, False, timeout=timeout)
     data = load_digits_split(cfg["seed"])
     idx = shard_indices(len(data.x_train), rank, world, cfg["seed"])
     x, y = data.x_train[idx], data.y_train[idx]
@@ -173,9 +210,11 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
         heartbeat_interval=datetime.timedelta(milliseconds=TORCHFT_HEARTBEAT_INTERVAL_MS),
     )
     opt = torchft.Optimizer(manager, sgd)
-    # Every manager heartbeats before any asks for a quorum: the first quorum has all of them.
+    join = cfg.get("join", False)
+    # Every manager heartbeats before any asks for a quorum: the first quorum has all of them (a
+    # replacement comes later: it heals from a peer, Note [Rejoining]).
     store.add("torchft_up", 1)
-    while int(store.add("torchft_up", 0)) < world:
+    while not join and int(store.add("torchft_up", 0)) < world:
         time.sleep(0.01)
     draw = batches(x, y, max(1, len(x) // cfg["batch"]), cfg["batch"], cfg["seed"], rank)
     ends, committed, sizes, quorum_at, failed_at = [], [], [], [], []
@@ -185,6 +224,8 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
         if kill and rank == cfg["victim"] and it == cfg["kill_at"]:
             store.set("killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if join and store.check(["finished"]):
+            break
         it += 1
         time.sleep(cfg["device_ms"] / 1000.0)  # the emulated device
         xb, yb = next(draw)
@@ -208,9 +249,16 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
         ends.append(time.time())
         committed.append(manager.current_step() > before)
         sizes.append(size)
+    if cfg.get("rejoin") is not None and not join:
+        store.add("finished", 1)
+    state = [*model.state_dict().values(), *(v for st in sgd.state.values() for v in st.values())]
     out.put(
         {
             "rank": rank,
+            "joiner": join,
+            "started_at": cfg.get("started_at"),
+            # what a healing replica receives from its one donor (computed: its state's tensors)
+            "state_bytes": sum(t.numel() * t.element_size() for t in state if torch.is_tensor(t)),
             "ends": ends,
             "committed": committed,
             "sizes": sizes,
@@ -324,10 +372,23 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
     want = world - (1 if kill else 0)
     recs: list[dict] = []
     deadline = time.monotonic() + limit_s
+    rejoin_at = None  # when the replacement starts (Note [Rejoining])
     try:
         while len(recs) < want and time.monotonic() < deadline:
+            if (
+                kill
+                and cfg.get("rejoin") is not None
+                and rejoin_at is None
+                and not procs[cfg["victim"]].is_alive()
+            ):
+                rejoin_at = time.monotonic() + cfg["rejoin"]
+            if rejoin_at is not None and time.monotonic() >= rejoin_at and want == world - 1:
+                args = (world, store.port, {**cfg, "join": True, "started_at": time.time()}, False, out)
+                procs.append(ctx.Process(target=target, args=(cfg["victim"], *args), daemon=True))
+                procs[-1].start()
+                want += 1
             try:
-                recs.append(out.get(timeout=1.0))
+                recs.append(out.get(timeout=0.05))
             except Exception:
                 if all(not p.is_alive() for p in procs):
                     break
@@ -344,7 +405,7 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
         raise RuntimeError(
             f"{cfg['policy']} ({'killed' if kill else 'uninterrupted'}): {len(recs)} of {want} ranks"
         )
-    return sorted(recs, key=lambda r: r["rank"])
+    return sorted(recs, key=lambda r: (r.get("joiner", False), r["rank"]))
 
 
 def summarize(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any]:
@@ -387,6 +448,48 @@ def summarize(cfg: dict, plain: list[dict], killed: list[dict]) -> dict[str, Any
     }
 
 
+def _counted(r: dict) -> list[float]:
+    """The ends of a record's steps that counted (torchft's: the committed ones)."""
+    return [e for e, c in zip(r["ends"], r.get("committed") or [True] * len(r["ends"])) if c]
+
+
+def summarize_rejoin(cfg: dict, killed: list[dict]) -> dict[str, Any]:
+    """The replacement's figures (Note [Rejoining]), measured alike for pyasync and torchft."""
+    batch = cfg["batch"]
+    surv = [r for r in killed if not r["joiner"]]
+    joiners = [r for r in killed if r["joiner"]]
+    if len(joiners) != 1 or not _counted(joiners[0]):
+        raise RuntimeError(f"{cfg['policy']}: the replacement did not finish a step")
+    j = joiners[0]
+    killed_at, started, first = surv[0]["killed_at"], j["started_at"], _counted(j)[0]
+
+    def rate(lo: float, hi: float) -> float:
+        n = sum(1 for r in killed for e in _counted(r) if lo < e <= hi)
+        return n * batch / (hi - lo) if hi > lo else float("nan")
+
+    def pause(r: dict) -> float:  # its longest step while the replacement joined, less a usual step
+        e = _counted(r)
+        usual = statistics.median(b - a for a, b in zip(e, e[1:]) if b < killed_at)
+        return max((b - a for a, b in zip(e, e[1:]) if b > started and a < first), default=usual) - usual
+
+    end = max(_counted(r)[-1] for r in killed)
+    joins = [next((c for c in r.get("changes") or [] if c["joined"]), None) for r in surv]
+    pyasync_run = cfg["policy"] != "torchft"
+    return {
+        "rejoin_delay_s": cfg["rejoin"],
+        "rejoin_start_to_first_step_s": first - started,
+        "rejoin_pause_s": statistics.median(pause(r) for r in surv),
+        "rejoin_change_s": statistics.median(c["seconds"] for c in joins) if pyasync_run else None,
+        "rejoin_donor_bytes": [c["bytes_sent"] for c in joins] if pyasync_run else [j["state_bytes"]],
+        "rejoin_joiner_bytes": j["changes"][0]["bytes_received"] if pyasync_run else j["state_bytes"],
+        "rejoin_samples_per_s_during": rate(killed_at, first),
+        "rejoin_samples_per_s_after": rate(first, end),
+        "rejoin_size_at_end": len(j["members"]) if pyasync_run else j["sizes"][-1],
+        "rejoin_accuracy": j["accuracy"],
+        "rejoin_replicas_equal": all(r["params"] == j["params"] for r in surv),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="JSON file for the records")
@@ -407,6 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="the optimizer's timeout (s)")
     p.add_argument("--run-timeout", type=float, default=600.0, help="limit for one run (s)")
+    p.add_argument(
+        "--rejoin",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start the victim's replacement S seconds after it died; it joins the running job "
+        "(Note [Rejoining])",
+    )
     p.add_argument(
         "--torchft-heartbeat-timeout-ms",
         type=int,
@@ -449,10 +560,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "timeout": args.timeout,
             "torchft_min_replicas": args.workers - 1,
             "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
+            "rejoin": args.rejoin,
         }
         plain = run_once(cfg, False, args.run_timeout)
-        killed = run_once(cfg, True, args.run_timeout)
+        every = run_once(cfg, True, args.run_timeout)
+        killed = [r for r in every if not r["joiner"]]
         rec = (summarize_torchft if policy == "torchft" else summarize)(cfg, plain, killed)
+        if args.rejoin is not None:
+            rec.update(summarize_rejoin(cfg, every))
+            print(
+                f"{policy:10s} rejoin: start to first step {rec['rejoin_start_to_first_step_s']:.2f} s, "
+                f"others' pause {rec['rejoin_pause_s']:.2f} s, donors sent {rec['rejoin_donor_bytes']} B, "
+                f"{rec['rejoin_size_at_end']} workers at the end"
+            )
         records.append(rec)
         change = "" if rec["epoch_change_s"] is None else f" (epoch change {rec['epoch_change_s']:.2f} s)"
         print(

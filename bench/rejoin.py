@@ -19,13 +19,22 @@ stepping (paced: one step per 50 ms), and every process stops ``--after`` steps 
 * ``joiner_start_to_first_push_s``: from the joiner process's start (before ``import torch``) to the end
   of its first ``step()``;
 * ``members_pause_s``: the members' epoch change (median over members), the time they do not train;
-* ``replica_bytes_per_donor``: what each donor sends the joiner (its own shards' values; computed from
-  the layout, not counted on the wire), and ``reshard_bytes_per_member``: what each member sends in the
-  re-shard's all-reduce of masters and optimizer state (gloo's ring: 2 (m' - 1) / m' of the state,
-  m' = m + 1; computed).
+* ``replica_bytes_per_donor``: what each donor sends the joiner for its replica (its own shards'
+  values; computed from the layout);
+* ``member_bytes_sent_max`` / ``_median``, ``joiner_bytes_received``: the state each process sent or
+  received point to point in the join's change (replica and re-split: Note [Re-splitting onto the
+  members] in pyasync/session/membership.py), counted by pyasync (``stats().epochs[i]["bytes_sent"]``,
+  ``["bytes_received"]``);
+* ``busiest_link_bytes``: the most any one process sent or received, and ``busiest_link_s_at``: that as
+  wire time on full-duplex NICs of 10 and 100 Gbit/s, a lower bound of the transfer on m + 1 machines
+  (computed from the counted bytes, not measured);
+* ``allreduce_reshard_bytes_per_member``: what each member sent in the re-shard before it was made
+  point to point (an all-reduce of the whole state, gloo's ring: 2 (m' - 1) / m' of it, m' = m + 1;
+  computed), for comparison.
 
 On this 2-core machine every process shares the same two cores and loopback, so the "parallel" donors
-compete for the CPU: the figures show what the protocol costs here, not what m machines would see.
+compete for the CPU: the measured seconds show what the protocol costs here, not what m machines would
+see; the counted bytes are what m machines would move.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import time
 import _path  # noqa: F401  (the repository root on sys.path)
 
 BUCKET = 25 * 2**20 // 4  # elements per tensor: one default bucket each
+LINKS_GBPS = (10.0, 100.0)  # the busiest link's bytes as wire time on NICs of these speeds
 
 
 def _free_port() -> int:
@@ -144,19 +154,25 @@ def run_one(m: int, numel: int, steps: int, after: int, timeout: float) -> dict:
     if errors or len(got) < m + 1:
         raise RuntimeError(f"m={m}: {len(got)} of {m + 1} reported; " + "\n".join(errors)[:4000])
     j = next(r for _, jn, r in got if jn)
-    members = [r for _, jn, r in got if not jn]
+    change = [next(c for c in r["epochs"] if c["joined"]) for _, jn, r in got if not jn]
     state = 2 * numel * 4  # master values and momentum, fp32
+    sent = [c["bytes_sent"] for c in change]
+    received = [c["bytes_received"] for c in change] + [j["epochs"][0]["bytes_received"]]
+    busiest = max(*sent, *received)  # the link that carries the most: the transfer's critical path
     return {
         "donors": m,
         "numel": numel,
         "joiner_request_to_engine_s": j["epochs"][0]["seconds"],
         "joiner_start_to_first_push_s": j["first_push_s"],
-        "members_pause_s": statistics.median(
-            next(c["seconds"] for c in r["epochs"] if c["joined"]) for r in members
-        ),
-        "members_pause_max_s": max(next(c["seconds"] for c in r["epochs"] if c["joined"]) for r in members),
+        "members_pause_s": statistics.median(c["seconds"] for c in change),
+        "members_pause_max_s": max(c["seconds"] for c in change),
         "replica_bytes_per_donor": numel * 4 // m,
-        "reshard_bytes_per_member": int(2 * m / (m + 1) * state),
+        "member_bytes_sent_max": max(sent),
+        "member_bytes_sent_median": statistics.median(sent),
+        "joiner_bytes_received": j["epochs"][0]["bytes_received"],
+        "busiest_link_bytes": busiest,
+        "busiest_link_s_at": {f"{g:g}Gbit": busiest * 8 / (g * 1e9) for g in LINKS_GBPS},
+        "allreduce_reshard_bytes_per_member": int(2 * m / (m + 1) * state),
     }
 
 

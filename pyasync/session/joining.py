@@ -21,9 +21,9 @@ Note [Joining a running job]
        combine), meet, a fresh group (Note [Groups of later epochs] in session/groups.py), re-shard onto
        the m + 1 members: masters and optimizer state move to their new owners, the joiner receives
        every bucket's values from the owners of the last epoch at once (each sends its own shards,
-       point to point), and every member checks that its replica hashes equal to the others'. Then the
-       joiner's engine starts with the others' and it pushes. Means divide by the new count; Quorum(k)
-       grows back to the k the user asked for.
+       point to point), and every member checks that its replica's checksums (CRC-32 per bucket)
+       equal the others'. Then the joiner's engine starts with the others' and it pushes. Means
+       divide by the new count; Quorum(k) grows back to the k the user asked for.
     4. **Who decides at the end.** Members in ``close()`` decide once, through the store
        (``{job}/epoch<n>/fate``: ``grow`` or ``end``), whether to admit a request that arrived while
        they closed, so that they all take the same branch; a joiner that finds ``end`` is told that

@@ -64,10 +64,12 @@ Note [Re-splitting onto the members]
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import datetime
 import logging
 import os
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -166,7 +168,7 @@ class Lost:
     """The lost shards (step 4 and 4b): their keys, values and what was rebuilt of them."""
 
     keys: list[tuple[int, int]]  # (bucket, old rank) of every non-empty lost shard
-    flats: list[torch.Tensor]  # every bucket's values, the lost shards' from the freshest replica
+    flats: dict[int, torch.Tensor]  # the values of every bucket with a lost shard, those from the freshest
     fresh: list[tuple[int, list[int]]]  # per key: (version, reflected clocks) of the freshest replica
     rebuilt: dict[tuple[int, int], Any] = field(default_factory=dict)  # first member: ShardState per key
     from_checkpoint: bool = False  # the rebuilt optimizer state came from the last checkpoint
@@ -278,7 +280,7 @@ def _freshest(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> Lost:
         dist.all_gather(table, mine, group=group)
     else:
         table = [mine]
-    flats = [bucket_values(setup.params, lay) for lay in epoch.layouts]
+    flats = {b: bucket_values(setup.params, epoch.layouts[b]) for b in sorted({b for b, _ in keys})}
     fresh: list[tuple[int, list[int]]] = []  # per key: (version, reflected clocks) of the freshest replica
     for i, (b, r) in enumerate(keys):
         col = [(int(t[2 * i]), int(t[2 * i + 1])) for t in table]
@@ -291,8 +293,8 @@ def _freshest(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> Lost:
             dist.broadcast(inc, group_src=src, group=group)
         flats[b][sh.begin : sh.end] = part
         fresh.append((col[src][0], inc.tolist()))
-    for lay, flat in zip(epoch.layouts, flats):
-        _unflat(setup.params, lay, flat)
+    for b, flat in flats.items():
+        _unflat(setup.params, epoch.layouts[b], flat)
     return Lost(keys, flats, fresh)
 
 
@@ -439,6 +441,17 @@ def _reshard(epoch: Past, setup: Setup, mem: Members, dr: Drained, lost: Lost) -
     return new_layouts, shards, int(flag) == 1
 
 
+def _values(params: list[torch.Tensor], lay, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of bucket ``lay``'s current values, as one flat fp32 tensor (only those read)."""
+    out = torch.empty(hi - lo, dtype=torch.float32)
+    for p, off in zip(lay.params, lay.offsets):
+        v = params[p].detach().reshape(-1)
+        a, b = max(lo, off), min(hi, off + v.numel())
+        if a < b:
+            out[a - lo : b - lo] = v[a - off : b - off].cpu()
+    return out
+
+
 def _give_replica(epoch: Past, setup: Setup, mem: Members) -> None:
     """4c. The joiners' replica: every old owner that is still a member sends its own shards' values (all
     survivors hold them equal once drained) to every joiner, point to point, all at once; the lost shards'
@@ -448,45 +461,49 @@ def _give_replica(epoch: Past, setup: Setup, mem: Members) -> None:
     joiners = [members.index(j) for j in mem.joined]
     works, into = [], []
     for b, lay in enumerate(epoch.layouts):
-        flat = bucket_values(setup.params, lay)
         for r, sh in enumerate(lay.shards):
             if sh.numel == 0 or r in mem.lost_old:
                 continue
             donor = members.index(epoch.members[r])
             tag = b * epoch.world + r
             if new_rank == donor:
-                part = flat[sh.begin : sh.end].contiguous()
+                part = _values(setup.params, lay, sh.begin, sh.end)
                 works += [group.send([part], j, tag) for j in joiners]
                 into.append(part)  # kept alive until sent
                 mem.sent += part.numel() * part.element_size() * len(joiners)
             elif new_rank in joiners:
-                part = torch.empty(sh.numel, dtype=flat.dtype)
+                part = torch.empty(sh.numel, dtype=torch.float32)
                 works.append(group.recv([part], donor, tag))
-                into.append((lay, flat, sh, part))
+                into.append((lay, sh, part))
                 mem.received += part.numel() * part.element_size()
     for w in works:
         w.wait()
-    for item in into:
-        if isinstance(item, tuple):
-            lay, flat, sh, part = item
-            flat[sh.begin : sh.end] = part
-            _unflat(setup.params, lay, flat)
+    dev = setup.params[0].device
+    with torch.no_grad():
+        for item in into:
+            if isinstance(item, tuple):
+                lay, sh, part = item
+                tensors = [setup.params[p].data for p in lay.params]
+                ops_bucketing.unflatten(part.to(dev), tensors, lay.offsets, begin=sh.begin)
 
 
 def _check_replicas(setup: Setup, layouts: list, mem: Members) -> None:
-    """After a join: every member's replica must hash the same (the joiner's transfer is checksummed end
-    to end); a difference is an error naming the members that differ."""
-    h = hashlib.blake2b(digest_size=8)
-    for lay in layouts:
-        h.update(bucket_values(setup.params, lay).cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    mine = torch.tensor([int.from_bytes(h.digest(), "little", signed=True)], dtype=torch.int64)
+    """After a join: every member's replica must checksum the same, bucket by bucket (CRC-32 of its bytes:
+    the joiner's transfer is checked end to end); a difference is an error naming the members and the
+    buckets that differ."""
+    mine = torch.tensor(
+        [zlib.crc32(bucket_values(setup.params, lay).cpu().contiguous().numpy().data) for lay in layouts],
+        dtype=torch.int64,
+    )
     table = [torch.zeros_like(mine) for _ in mem.members]
     dist.all_gather(table, mine, group=mem.group)
-    odd = [g for g, t in zip(mem.members, table) if int(t) != int(table[0])]
+    odd = {g: (t != table[0]).nonzero().reshape(-1).tolist() for g, t in zip(mem.members, table)}
+    odd = {g: bs for g, bs in odd.items() if bs}
     if odd:
         raise RuntimeError(
-            f"pyasync: after the join of {mem.joined}, the replicas of {odd} differ from member "
-            f"{mem.members[0]}'s: the state transfer was corrupted; restart the joiner"
+            f"pyasync: after the join of {mem.joined}, the replicas of members {sorted(odd)} differ from "
+            f"member {mem.members[0]}'s (buckets {sorted({b for bs in odd.values() for b in bs})}): the "
+            "state transfer was corrupted; restart the joiner"
         )
 
 
@@ -511,6 +528,22 @@ def _who_died(mem: Members, tp_old, old_globals: list[int], timeout, err: BaseEx
         died,
     )
     return died
+
+
+def _every_member_came(st, key: str, n: int, members: list[int], timeout) -> bool:
+    """A joiner whose change failed: True when every member came to the members' meeting of _who_died
+    (nobody died: the failure is an error, and theirs too), False when they started epoch n + 1 without
+    someone (or nothing was decided within ``timeout``)."""
+    keys, nxt = [f"{key}/epoch{n}/broken/{g}" for g in members], f"{key}/epoch{n + 1}"
+    end = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < end:
+        if st.check(keys):
+            return True
+        if st.check([nxt]):
+            return False
+        with contextlib.suppress(Exception):  # a bounded wait, then look again
+            st.wait(keys, datetime.timedelta(seconds=0.1))
+    return False
 
 
 def _rebuild(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> tuple[Lost, list, dict, list[str]]:
@@ -670,10 +703,12 @@ def join_epoch(setup: Setup, items: dict[str, list[str]]) -> tuple[Epoch, EpochC
             nxt = _start(setup, mem, new_layouts, shards, 0, key)
             break
         except Exception as e:  # a member died while the state moved: the members start again without
+            st.set(f"{key}/epoch{n}/broken/{me}", "ok")  # it, and this joiner's mark tells them it lives
+            if _every_member_came(st, key, n, members, timeout):
+                raise  # not a death: the members fail with the same error (_who_died)
             _log.warning(
                 "pyasync: joining epoch %d failed (%s: %s); waiting for the next", n, type(e).__name__, e
             )
-            st.set(f"{key}/epoch{n}/broken/{me}", "ok")  # it, and this joiner's mark tells them it lives
             n += 1
     st.set(f"{key}/joiner/{me}", joining.MEMBER)
     change = EpochChange(

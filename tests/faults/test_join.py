@@ -262,6 +262,33 @@ def _transfer_fault(rank: int, world: int, k: int | None, who: str):
     return _grow(rank, world, k, 3, False, settle=True)
 
 
+def _corrupted(rank: int, world: int, k: int | None):
+    """The joiner's replica arrives with one value changed: every member's change must fail, naming it."""
+    import pyasync.session.membership as membership
+
+    if k is not None:
+        real = membership._give_replica
+
+        def flipped(epoch, setup, mem):
+            real(epoch, setup, mem)
+            with torch.no_grad():
+                setup.params[0].view(-1)[7] += 1.0
+
+        membership._give_replica = flipped
+    try:
+        _grow(rank, world, k, 3, False)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@multiproc
+def test_a_corrupted_transfer_fails_the_join_naming_who_differs():
+    ranks, (j,) = run_with_replacements(_corrupted, 2, 0, timeout=150, joiners=1)
+    for said in [*ranks, j]:
+        assert "the replicas of members [2] differ from member 0's (buckets [0])" in said, said
+
+
 @multiproc
 @pytest.mark.parametrize("who", ["joiner", "donor"])
 def test_a_death_while_the_state_moves(who):
