@@ -36,8 +36,12 @@ Note [Rejoining]
     pyasync/session/joining.py); it trains until the first survivor has finished its steps (a store
     key), then closes. For torchft it is a fresh process with the victim's ``replica_id``: its Manager
     joins the lighthouse's next quorum, finds itself behind and heals, receiving the model's and the
-    optimizer's state from one peer over torchft's HTTP checkpoint transport, then trains until it has
-    committed ``--steps`` steps as the survivors do. Measured alike for both (``summarize_rejoin``):
+    optimizer's state from one peer over torchft's HTTP checkpoint transport, then trains in lock
+    step with the survivors until they have all committed ``--steps`` steps. A survivor that has
+    taken its ``--steps`` before the replacement has taken ``REJOINED_STEPS`` goes on until it has
+    (torchft: all stop ``REJOINED_STEPS`` after the replacement's first committed step), at most
+    ``--timeout`` seconds after its loop started; only short runs need this, and the job ends at
+    full size. Measured alike for both (``summarize_rejoin``):
 
     * ``rejoin_start_to_first_step_s``: from the replacement's start (before its interpreter) to the
       end of its first step that counted (torchft: committed);
@@ -109,6 +113,29 @@ from pyasync.demo.data import accuracy, batches, load_digits_split, make_model, 
 __all__ = ["main", "summarize"]
 
 
+def _torchft_goes_on(cfg: dict, store, step: int, it: int, t0: float) -> bool:
+    """torchft's loop: until this replica has committed its steps (an uncommitted step is redone, at
+    most 3x as many iterations); with ``--rejoin``, until the step the replacement set once it committed
+    one, or while waiting for it (at most ``--timeout`` seconds after the loop started at ``t0``)."""
+    if cfg.get("rejoin") is None:
+        return step < cfg["steps"] and it < 3 * cfg["steps"]
+    if store.check(["rejoined"]):
+        return step < max(cfg["steps"], int(store.get("rejoined")))
+    return step < cfg["steps"] or time.monotonic() - t0 < cfg["timeout"]
+
+
+def _awaits_replacement(cfg: dict, store, t0: float) -> bool:
+    """A survivor of a run with ``--rejoin`` that has taken its steps goes on until the replacement has
+    finished a step (at most ``--timeout`` seconds after its loop started at ``t0``, monotonic), so that
+    the job ends at full size (Note [Rejoining])."""
+    return (
+        cfg.get("rejoin") is not None
+        and not cfg.get("join")
+        and time.monotonic() - t0 < cfg["timeout"]
+        and not store.check(["rejoined"])
+    )
+
+
 def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> None:
     """One rank of the job; with ``cfg["join"]``, the victim's replacement (Note [Rejoining])."""
     os.environ["PYASYNC_NUM_THREADS"] = "1"
@@ -133,7 +160,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
     )
     draw = batches(x, y, max(1, len(x) // cfg["batch"]), cfg["batch"], cfg["seed"], rank)
     ends, epochs = [], []
-    for t in range(cfg["steps"]):
+    t, t0 = 0, time.monotonic()
+    while t < cfg["steps"] or _awaits_replacement(cfg, store, t0):
         if kill and rank == cfg["victim"] and t == cfg["kill_at"]:
             store.set("killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -146,6 +174,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
         opt.step()
         ends.append(time.time())
         epochs.append(opt.stats().epoch)
+        t += 1
+        if join and t == REJOINED_STEPS:
+            store.set("rejoined", "1")
     if cfg.get("rejoin") is not None and not join:
         store.add("finished", 1)
     opt.close()
@@ -170,6 +201,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out) -> Non
 # ---------------------------------------------------------------------------------------------------
 # torchft under the same kill (Note [torchft under a kill])
 # ---------------------------------------------------------------------------------------------------
+
+#: Steps the job takes at full size once the replacement has taken one (Note [Rejoining]).
+REJOINED_STEPS = 3
 
 #: torchft's lighthouse and manager settings for this fast local job (Note [torchft under a kill]).
 TORCHFT_HEARTBEAT_INTERVAL_MS = 100  # the manager's default
@@ -220,7 +254,8 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
     ends, committed, sizes, quorum_at, failed_at = [], [], [], [], []
     it = 0
     # torchft's loop: until this replica has committed its steps (an uncommitted step is redone).
-    while manager.current_step() < cfg["steps"] and it < 3 * cfg["steps"]:
+    t0 = time.monotonic()
+    while _torchft_goes_on(cfg, store, manager.current_step(), it, t0):
         if kill and rank == cfg["victim"] and it == cfg["kill_at"]:
             store.set("killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -248,6 +283,8 @@ def _torchft_worker(rank: int, world: int, port: int, cfg: dict, kill: bool, out
         opt.step()  # steps SGD only when the manager commits
         ends.append(time.time())
         committed.append(manager.current_step() > before)
+        if join and committed[-1] and not store.check(["rejoined"]):  # all stop together, at full size
+            store.set("rejoined", str(manager.current_step() + REJOINED_STEPS))
         sizes.append(size)
     if cfg.get("rejoin") is not None and not join:
         store.add("finished", 1)
@@ -350,6 +387,7 @@ def run_once(cfg: dict, kill: bool, limit_s: float) -> list[dict]:
     hosted here)."""
     ctx = mp.get_context("spawn")
     world = cfg["workers"]
+    cfg = cfg if kill else {**cfg, "rejoin": None}  # no replacement in the uninterrupted run
     store = start_store(cfg["timeout"])
     lighthouse = None
     target = _worker
@@ -480,6 +518,10 @@ def summarize_rejoin(cfg: dict, killed: list[dict]) -> dict[str, Any]:
         "rejoin_start_to_first_step_s": first - started,
         "rejoin_pause_s": statistics.median(pause(r) for r in surv),
         "rejoin_change_s": statistics.median(c["seconds"] for c in joins) if pyasync_run else None,
+        # pyasync's replacement: its start to its request (interpreter, torch, data, model, optimizer),
+        # and its request to its engine running (waiting for a poll, the change)
+        "rejoin_start_to_request_s": j["changes"][0]["started_at"] - started if pyasync_run else None,
+        "rejoin_request_to_engine_s": j["changes"][0]["seconds"] if pyasync_run else None,
         "rejoin_donor_bytes": [c["bytes_sent"] for c in joins] if pyasync_run else [j["state_bytes"]],
         "rejoin_joiner_bytes": j["changes"][0]["bytes_received"] if pyasync_run else j["state_bytes"],
         "rejoin_samples_per_s_during": rate(killed_at, first),

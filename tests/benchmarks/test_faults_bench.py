@@ -38,6 +38,29 @@ def test_a_kill_is_survived_and_measured(tmp_path):
     assert any("optimizer state" in s for s in rec["reinitialized"])
 
 
+_REJOIN = ["--steps", "60", "--device-ms", "5", "--timeout", "30", "--rejoin", "0.5"]
+
+
+def _check_rejoin(rec: dict, donors: int) -> None:
+    assert rec["rejoin_size_at_end"] == 4 and rec["rejoin_replicas_equal"], rec
+    assert 0.5 < rec["rejoin_start_to_first_step_s"] < 60
+    assert 0 <= rec["rejoin_pause_s"] < 30
+    assert len(rec["rejoin_donor_bytes"]) == donors and min(rec["rejoin_donor_bytes"]) > 0
+    assert rec["rejoin_joiner_bytes"] >= max(rec["rejoin_donor_bytes"])
+    for k in ("rejoin_samples_per_s_during", "rejoin_samples_per_s_after"):
+        assert math.isfinite(rec[k]) and rec[k] > 0, (k, rec[k])
+    assert rec["rejoin_accuracy"] > rec["accuracy_uninterrupted"] - 0.05, rec
+
+
+@multiproc
+def test_a_replacement_rejoins_and_is_measured(tmp_path):
+    (rec,) = faults.main(["--policies", "asp", *_REJOIN, "--out", str(tmp_path / "f.json")])
+    _check_rejoin(rec, donors=3)  # every survivor sends (its shards; the re-split)
+    assert 0 < rec["rejoin_change_s"] < 30 and 0 < rec["rejoin_request_to_engine_s"] < 30
+    model = 4 * ((64 + 1) * 256 + (256 + 1) * 256 + (256 + 1) * 10)  # the digits MLP's fp32 bytes
+    assert rec["rejoin_joiner_bytes"] >= model  # the whole replica, and its new shard's state
+
+
 # ---------------------------------------------------------------------------------------------------
 # torchft under the same kill: the real run needs torchft (the peers' venv); the rest runs everywhere
 # ---------------------------------------------------------------------------------------------------
@@ -61,6 +84,13 @@ def test_torchft_survives_the_same_kill(tmp_path):
     for k in ("samples_per_s_before", "samples_per_s_after", "samples_per_s_uninterrupted"):
         assert math.isfinite(rec[k]) and rec[k] > 0, (k, rec[k])
     assert rec["accuracy"] > rec["accuracy_uninterrupted"] - 0.05, rec
+
+
+@multiproc
+@pytest.mark.skipif(_TORCHFT is not None, reason=f"torchft not importable here: {_TORCHFT}")
+def test_torchft_heals_a_replacement(tmp_path):
+    (rec,) = faults.main(["--systems", "torchft", *_REJOIN, "--out", str(tmp_path / "f.json")])
+    _check_rejoin(rec, donors=1)  # one peer sends its whole state
 
 
 def test_torchft_missing_is_refused_with_its_reason(monkeypatch):
