@@ -15,7 +15,8 @@ workers (then, after ``--grace`` seconds, SIGKILL).
 
 RANK means nothing to a replacement (it is 0): a script shards its data by ``PYASYNC_SLOT`` (the
 launcher's slot, which a replacement takes over) and reads its place in the job from the optimizer
-(``opt.epoch.rank``, ``opt.epoch.members``).
+(``opt.epoch.rank``, ``opt.epoch.members``). Every worker gets the job's id in ``PYASYNC_JOB_ID`` (a
+fresh one per launch unless set): a replacement pointed at another job's store is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 
 from pyasync.store import serve
@@ -33,7 +35,9 @@ from pyasync.store import serve
 __all__ = ["main"]
 
 
-def _env(base: dict[str, str], port: int, host: str, slot: int, nproc: int, join: bool) -> dict[str, str]:
+def _env(
+    base: dict[str, str], port: int, host: str, slot: int, nproc: int, join: bool, job: str
+) -> dict[str, str]:
     env = dict(base)
     env.update(
         MASTER_ADDR=host,
@@ -46,6 +50,7 @@ def _env(base: dict[str, str], port: int, host: str, slot: int, nproc: int, join
         TORCHELASTIC_RESTART_COUNT="0",  # one namespace for the whole job, replacements included
         PYASYNC_SLOT=str(slot),
     )
+    env.setdefault("PYASYNC_JOB_ID", job)  # one per job: a replacement of another job is refused
     if join:
         env["PYASYNC_JOIN"] = "1"
     else:
@@ -68,6 +73,7 @@ def run(
     """Run ``cmd`` as ``nproc`` workers, replacing failed ones at most ``max_restarts`` times in all;
     returns the launcher's exit code."""
     store = serve(host, port)
+    job = uuid.uuid4().hex[:12]  # the job's id (Note [Joining a running job]), unless the caller set one
     port = store.port
     procs: list[subprocess.Popen] = []
     restarts = 0
@@ -83,7 +89,9 @@ def run(
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for slot in range(nproc):
-            procs.append(subprocess.Popen(list(cmd), env=_env(os.environ, port, host, slot, nproc, False)))
+            procs.append(
+                subprocess.Popen(list(cmd), env=_env(os.environ, port, host, slot, nproc, False, job))
+            )
         while any(p.poll() is None for p in procs):
             time.sleep(0.1)
             for slot, p in enumerate(procs):
@@ -97,7 +105,9 @@ def run(
                     file=sys.stderr,
                     flush=True,
                 )
-                procs[slot] = subprocess.Popen(list(cmd), env=_env(os.environ, port, host, slot, nproc, True))
+                procs[slot] = subprocess.Popen(
+                    list(cmd), env=_env(os.environ, port, host, slot, nproc, True, job)
+                )
         if stopping:
             end = time.monotonic() + grace
             while any(p.poll() is None for p in procs) and time.monotonic() < end:

@@ -8,10 +8,11 @@ Note [Joining a running job]
     so its store keys are the members' keys. Then:
 
     1. **Find the job.** At construction the job's rank 0 wrote the job's prefix (``pyasync/elastic/job``),
-       epoch 0's members and the agreement items of session/bootstrap.py (parameters, policy, codec,
-       optimizer and hyperparameters, ...). The joiner compares its own items with them: a worker
-       that does not belong (another model, other hyperparameters, another codec) is refused with the
-       first difference, before the job sees it.
+       its job id (``PYASYNC_JOB_ID``, else torchrun's run id), epoch 0's members and the agreement
+       items of session/bootstrap.py (parameters, policy, codec, optimizer and hyperparameters, ...).
+       The joiner compares its own with them: a worker that does not belong (another job's id,
+       another model, other hyperparameters, another codec) is refused with the first difference,
+       before the job sees it.
     2. **Ask.** It takes an id above every member's (``{job}/ids``, counted) and writes its request
        (``{job}/joiner/<id>`` = ``waiting``).
     3. **Admission.** The members look for waiting requests at most every ``POLL_S`` seconds at the end
@@ -59,10 +60,17 @@ def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def job_id() -> str:
+    """This worker's job id: ``PYASYNC_JOB_ID`` (``python -m pyasync.launch`` sets one per job), else
+    torchrun's run id (``--rdzv-id``: ``TORCHELASTIC_RUN_ID``), else empty (the job is not named)."""
+    return os.environ.get("PYASYNC_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
 def publish(st, key: str, members: list[int], items: dict[str, list[str]]) -> None:
     """Rank 0 at construction of an elastic job: what a joiner needs to find and check the job."""
     st.set(f"{key}/epoch0", json.dumps(sorted(members)))
     st.set(f"{key}/setup", json.dumps(items, sort_keys=True))
+    st.set(f"{key}/job", job_id())
     st.set(f"{key}/idbase", str(max(members) + 1))
     st.set(JOB_KEY, key)
 
@@ -134,7 +142,15 @@ def find_job(st, timeout: float) -> str:
 
 
 def check_belongs(st, key: str, items: dict[str, list[str]]) -> None:
-    """Refuse a joiner whose agreement items differ from the job's, naming the first difference."""
+    """Refuse a joiner of another job (its job id differs), or whose agreement items differ from the
+    job's, naming the first difference."""
+    job, mine_id = _text(st.get(f"{key}/job")), job_id()
+    if job != mine_id:
+        raise ValueError(
+            f"pyasync: this worker cannot join the running job: its job id is {mine_id!r}, the job's on "
+            f"this store is {job!r} (PYASYNC_JOB_ID, else torchrun's --rdzv-id). Point the replacement "
+            "at its own job's store, or start it with the job's id"
+        )
     theirs = json.loads(_text(st.get(f"{key}/setup")))
     mine = json.loads(json.dumps(items, sort_keys=True))
     for what in sorted(set(theirs) | set(mine)):

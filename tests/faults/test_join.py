@@ -222,7 +222,10 @@ def _refused(rank: int, world: int, k: int | None, what: str):
             "model": (65, lr, codec),
             "lr": (shape, 0.2, codec),
             "codec": (shape, lr, "int8"),
+            "job": (shape, lr, codec),
         }[what]
+        if what == "job":
+            os.environ["PYASYNC_JOB_ID"] = "another-job"
     p = torch.nn.Parameter(torch.zeros(shape))
     try:
         opt = pyasync.DistributedOptimizer(
@@ -240,11 +243,17 @@ def _refused(rank: int, world: int, k: int | None, what: str):
 
 @multiproc
 @pytest.mark.parametrize(
-    ("what", "says"), [("model", "parameters"), ("lr", "hyperparameters"), ("codec", "compression")]
+    ("what", "says"),
+    [
+        ("model", "its parameters differ"),
+        ("lr", "its hyperparameters differ"),
+        ("codec", "its compression differ"),
+        ("job", "its job id is 'another-job', the job's on this store is ''"),
+    ],
 )
 def test_a_joiner_that_does_not_belong_is_refused(what, says):
     ranks, (j,) = run_with_replacements(_refused, 2, 0, args=(what,), timeout=90, joiners=1)
-    assert "cannot join the running job" in j["refused"] and f"its {says} differ" in j["refused"], j
+    assert "cannot join the running job" in j["refused"] and says in j["refused"], j
     for r in ranks:
         assert r["members"] == [0, 1]
         torch.testing.assert_close(r["p"], torch.full((64,), -2.0), rtol=0, atol=1e-6)
