@@ -1,6 +1,6 @@
 """bench/rejoin.py on a tiny state: a joiner is admitted into a job of 2, and the record's figures are
 consistent (the joiner's request-to-engine time within its process-start-to-first-push time, the
-members' pause within the bound, the computed bytes as the layout says)."""
+members' pause within the bound, the counted bytes as the layout says)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,10 @@ def test_a_join_is_measured(tmp_path):
     assert 0 < row["joiner_request_to_engine_s"] < row["joiner_start_to_first_push_s"] < 120
     assert 0 < row["members_pause_s"] <= row["members_pause_max_s"] < 60
     assert row["replica_bytes_per_donor"] == 10**6 * 4 // 2
-    assert row["reshard_bytes_per_member"] == int(2 * 2 / 3 * 2 * 10**6 * 4)
+    assert row["allreduce_reshard_bytes_per_member"] == int(2 * 2 / 3 * 2 * 10**6 * 4)
+    # counted: the joiner gets the whole replica (4 MB) and its third of masters and momentum (8 MB / 3)
+    assert abs(row["joiner_bytes_received"] - (4 * 10**6 + 8 * 10**6 / 3)) < 0.01 * 8 * 10**6 / 3, row
+    # each donor sends its half of the replica and what leaves its shard, less than the all-reduce did
+    assert row["replica_bytes_per_donor"] < row["member_bytes_sent_median"] <= row["member_bytes_sent_max"]
+    assert row["member_bytes_sent_max"] < row["allreduce_reshard_bytes_per_member"]
+    assert row["busiest_link_bytes"] == max(row["member_bytes_sent_max"], row["joiner_bytes_received"])
