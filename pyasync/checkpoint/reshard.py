@@ -31,7 +31,7 @@ import torch
 from pyasync.checkpoint.common import CheckpointError, Target
 from pyasync.checkpoint.validate import check_state, layouts_for, read_shard
 
-__all__ = ["cut_shard", "reshard", "segment_steps"]
+__all__ = ["cut_shard", "recut_slots", "reshard", "segment_steps"]
 
 
 def segment_steps(steps: list[list[int]], old, new) -> list[int]:
@@ -117,33 +117,48 @@ def reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, t: Targe
     checked against ``old_layouts``): new worker v takes old workers v, v + m, ..., summed and scaled
     by divisor(m) / divisor(n). See Note [Re-sharding residuals]."""
     n, m, v = len(saved), t.world, t.rank
-    d_old, d_new = t.policy.divisor(n), t.policy.divisor(m)
-    mine = [w for w in range(n) if w % m == v]
+    scale = (t.policy.divisor(m), t.policy.divisor(n))
+    out, bad = recut_slots([saved[w] for w in range(n) if w % m == v], old_layouts, t.layouts, scale)
+    if bad:
+        raise CheckpointError(
+            f"{mpath}: bucket {bad[0]}'s error-feedback residual for rank {v} of {m} overflows float32 when "
+            f"scaled by {t.policy.divisor(m)}/{t.policy.divisor(n)}"
+        )
+    return out
+
+
+def recut_slots(
+    slots: list[dict], old_layouts: list, new_layouts: list, scale: tuple[int, int]
+) -> tuple[dict, list]:
+    """Per-shard slots (error-feedback residuals or top-k velocities, keyed (bucket, shard) of
+    ``old_layouts``) of one or more workers, each worker's slots of a bucket joined in shard order into
+    the whole bucket, summed over the workers in float64, times num / den (``scale``), rounded to
+    float32 and cut at the shard bounds of ``new_layouts`` (the same buckets cut otherwise). A bucket none of
+    them holds a slot of stays without one (a fresh worker's zeros). Returns (the new slots, the buckets
+    whose result overflowed float32: left out of the slots). Checkpoints re-shard by it (Note
+    [Re-sharding residuals]) and so does a membership change, each worker its own (Note [Membership
+    epochs] in session/membership.py)."""
     out: dict[tuple[int, int], torch.Tensor] = {}
-    for b, (old, new) in enumerate(zip(old_layouts, t.layouts, strict=True)):
+    bad = []
+    for b, (old, new) in enumerate(zip(old_layouts, new_layouts, strict=True)):
         total = None
-        for w in mine:
-            res = saved[w]
-            if not any((b, r) in res for r in range(n)):
-                continue  # worker w never compressed into bucket b: it owes nothing there
+        for res in slots:
+            if not any((b, r) in res for r in range(len(old.shards))):
+                continue  # this worker never compressed into bucket b: it owes nothing there
             pieces = []
-            for r, sh in enumerate(old.shards):  # w's slots of bucket b, in shard order: the whole bucket
+            for r, sh in enumerate(old.shards):  # the worker's slots of bucket b, in shard order
                 e = res.get((b, r))
                 e = torch.zeros(sh.numel, dtype=torch.float64) if e is None else e.reshape(-1).double()
                 pieces.append(e)
             full = torch.cat(pieces)
-            total = full if total is None else total + full  # ascending w, in float64
+            total = full if total is None else total + full  # in the order given, in float64
         if total is None:
-            continue  # no old worker maps to this one here: its slots start from zero, as a fresh worker's
-        f = (total * d_new / d_old).float()
+            continue
+        f = (total * scale[0] / scale[1]).float()
         if not bool(torch.isfinite(f).all()):
-            raise CheckpointError(
-                f"{mpath}: bucket {b}'s error-feedback residual for rank {v} of {m} overflows float32 when "
-                f"scaled by {d_new}/{d_old}"
-            )
+            bad.append(b)
+            continue
         for r, sh in enumerate(new.shards):
             if sh.numel > 0:
                 out[(b, r)] = f[sh.begin : sh.end].clone()
-    return out
-
-
+    return out, bad

@@ -37,8 +37,12 @@ Note [Membership epochs]
        Note [Re-sharding]); master values and optimizer state move to their new owners exactly, point
        to point, only the parts that change owner (Note [Re-splitting onto the members]). The lost
        shards' optimizer state (momentum, Adam moments, step counts) comes from the last checkpoint
-       saved in this epoch, else it is re-initialized; every worker's error-feedback residuals are
-       reset: both are reported (log line, ``stats().epochs``).
+       saved in this epoch, else it is re-initialized (reported: log line, ``stats().epochs``). Each
+       member keeps its own error-feedback residuals (and top-k velocities): what it still owes is
+       joined per bucket, cut at the new shard bounds and scaled by divisor(m) / divisor(n), so the
+       update it owes is unchanged (the checkpoints' rule for m == n workers, Note [Re-sharding
+       residuals]); a lost worker's residuals, like its unapplied pushes, are lost with it, and a
+       joiner starts from zero, owing nothing.
     6. **Go on.** A new engine over the members starts from these values, and the members meet once
        more (a barrier) before any of them pushes: a push that reached an owner before its shards were
        loaded would be overwritten by the load (members end a change up to 0.2 s apart when one
@@ -76,7 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pyasync.checkpoint.reshard import segment_steps
+from pyasync.checkpoint.reshard import recut_slots, segment_steps
 from pyasync.checkpoint.validate import read_manifest, read_shard
 from pyasync.engine.core.access import bucket_values
 from pyasync.engine.p2p.replay import gather_frames, replay
@@ -563,15 +567,30 @@ def _rebuild(epoch: Past, setup: Setup, mem: Members, dr: Drained) -> tuple[Lost
         )
     elif gone.keys:
         reinit.append(f"optimizer state of the shards of ranks {mem.lost} (re-initialized: no checkpoint)")
-    if setup.compressor.error_feedback:
-        corrected = setup.compressor.momentum is not None  # TopK's velocities too
-        setup.compressor.reset()
-        reinit.append(
-            "error-feedback residuals"
-            + (" and top-k velocities" if corrected else "")
-            + " of every worker (reset)"
-        )
     return gone, new_layouts, shards, reinit
+
+
+def _recut_feedback(setup: Setup, epoch: Epoch, mem: Members, new_layouts: list) -> list[str]:
+    """Step 5 on this worker's own compression state, once the change succeeded (a change that failed
+    and runs again starts from the old layout): its error-feedback residuals (and top-k velocities)
+    are cut at the new shard bounds and scaled by divisor(m) / divisor(n) (Note [Membership epochs]).
+    Returns what was lost of them."""
+    comp = setup.compressor
+    if not comp.error_feedback:
+        return []
+    scale = (setup.policy.divisor(len(mem.members)), setup.policy.divisor(len(epoch.members)))
+    res, bad = recut_slots([comp.state_dict()], epoch.layouts, new_layouts, scale)
+    vel, bad_v = {}, []
+    if comp.momentum is not None:  # TopK's momentum correction (Note [Momentum correction for top-k])
+        vel, bad_v = recut_slots([comp.velocity_state_dict()], epoch.layouts, new_layouts, scale)
+    comp.load_state_dict(res)
+    if comp.momentum is not None:
+        comp.load_velocity_state_dict(vel)
+    what = " and top-k velocities" if comp.momentum is not None else ""
+    out = [f"error-feedback residuals{what} of ranks {mem.lost} (lost with them)"] if mem.lost else []
+    if bad or bad_v:
+        out.append(f"this worker's error-feedback state of buckets {sorted(set(bad + bad_v))} (overflowed)")
+    return out
 
 
 def _start(setup: Setup, mem: Members, layouts: list, shards: dict, clock0: int, key: str) -> Epoch:
@@ -633,6 +652,7 @@ def change_epoch(epoch: Epoch, setup: Setup, requests: Requests | None = None) -
     finally:
         if tp_old is not None:
             tp_old.close()
+    reinit += _recut_feedback(setup, epoch, mem, new_layouts)
     m, lost = len(mem.members), mem.lost
     new_rank = mem.members.index(me)
     change = EpochChange(

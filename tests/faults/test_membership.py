@@ -133,7 +133,7 @@ def test_a_death_under_momentum_with_the_look_ahead_on(policy, codec):
     """The defaults of ASP and SSP answer with look-ahead values (Note [Look-ahead replies]), which the
     dead owner's shards are then rebuilt from: the survivors finish with equal, finite replicas that
     still converge to the optimum. With top-k the momentum lives in the workers' velocities
-    (Note [Momentum correction for top-k]), which the epoch change resets with the residuals; top-k runs
+    (Note [Momentum correction for top-k]), which the epoch change re-cuts with the residuals; top-k runs
     at lr 0.01: at 0.1 (lr / (1 - momentum) = 1 / curvature, the edge of stability) error feedback's
     late delivery diverges with momentum, corrected (|p - 2| ~ 1e3) or not (~ 4e2), without a death.
     At 0.01 the correction converges (0.04 in a one-process model) where uncorrected top-k does not (0.8)."""
@@ -147,10 +147,11 @@ def test_a_death_under_momentum_with_the_look_ahead_on(policy, codec):
         torch.testing.assert_close(res[r]["p"], res[live[0]]["p"], rtol=0, atol=0)
     p = res[live[0]]["p"]
     assert torch.isfinite(p).all()
-    # From 0, 2 away. Top-k moves slowly here (each element is sent about every 20 steps, then the reset
-    # at the death drops every velocity and residual): p measured at 1.91-2.83 after 60 steps, so its bound is
-    # "most of the way, and not diverging" (a diverging run ends hundreds away).
-    bound = 0.2 if codec is None else 1.0
+    # From 0, 2 away. Top-k moves slowly here (each element is sent about every 20 steps; the survivors
+    # keep their velocities and residuals at the death, re-cut onto the new shards): p measured at
+    # 1.91-2.52 after 60 steps (1.91-2.83 when the change reset them), so its bound is "most of the way,
+    # and not diverging" (a diverging run ends hundreds away).
+    bound = 0.2 if codec is None else 0.75
     assert float((p - 2.0).abs().max()) < bound, (float(p.min()), float(p.max()))
 
 
