@@ -25,6 +25,7 @@ Note [Local steps]
       next push would add it again). So the replica is parked at its anchor for the change
       (:meth:`LocalSteps.park`) and its progress is put back on the new global values after it, which
       become the anchor (:meth:`LocalSteps.unpark`): the next outer step pushes that progress once.
+    - A worker that joins (Note [Joining under local steps]) starts from the drained global values.
     - ``stats()`` is the engine's: its ``clock`` and push counts count outer steps; ``opt.local_steps``
       holds ``inner_steps`` and ``outer_steps``.
     - An outer step whose wait timed out (TimeoutError) stays in flight, as any step does; the next
@@ -38,6 +39,19 @@ Note [Local steps]
       instead of 2 (tests/faults/test_membership.py::test_a_stopped_or_departed_worker_under_local_steps).
       So a worker waits: until the answer, until the heartbeats drop the owner (elastic=True), or
       until the timeout (TimeoutError, the outer step finished by the next step()).
+
+Note [Joining under local steps]
+    A replacement started with ``PYASYNC_JOIN=1`` (Note [Joining a running job] in session/joining.py)
+    is admitted at the members' next change like any joiner: the members park their progress, the
+    joiner receives its replica (the drained global values, which every member installed) and its
+    shards of the outer optimizer's state (Nesterov's momentum moves with the masters in the re-split).
+    Its LocalSteps is made after that, so the replica it received is its anchor and it has no progress
+    to push. Its inner optimizer starts empty, as the joining process built it: the inner state
+    (momentum, Adam's moments) belongs to one worker and is not the job's (a copy of a member's would
+    give two workers one momentum), so a replacement starts as a new DiLoCo worker does. Its first
+    outer step comes H inner steps after the join; the members' cycles go on where they were, and
+    each worker still pushes once per outer round, so a synchronous round waits for the joiner's
+    first change. Adaptive H reads the new epoch's board, the joiner's speed included.
 
 Note [Dynamic local steps]
     With one worker twice as slow, H steps each means the fast workers wait for it at every synchronous

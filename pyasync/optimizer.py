@@ -208,7 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # started to join a running elastic job is admitted by its members instead (session/joining.py).
         self._requests: Requests | None = None  # elastic: the join requests the members look for
         if elastic and joining():
-            self._epoch = self._join(policy, local)
+            self._epoch = self._join(policy)
         else:
             self._epoch = self._first_epoch(process_group, policy, outer, members, rank, layouts)
         self._guard()
@@ -242,13 +242,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._open_to_joiners(policy, members, rank)
         return epoch
 
-    def _join(self, policy: Policy, local: Local | None) -> Epoch:
-        """This process joins the running elastic job on its store (Note [Joining a running job])."""
-        if local is not None:
-            raise NotImplementedError(
-                "pyasync: a worker cannot join a job under local steps yet (its inner optimizer state and "
-                "anchor have no donor); restart the job from a checkpoint"
-            )
+    def _join(self, policy: Policy) -> Epoch:
+        """This process joins the running elastic job on its store (Note [Joining a running job]). Under
+        local steps its LocalSteps, made after this, anchors at the replica it received (Note [Joining
+        under local steps] in pyasync/local.py)."""
         epoch, change = join_epoch(self._setup, public_items(self._setup, policy))
         self._epochs.append(change)
         self._requests = Requests(store(), epoch.key)

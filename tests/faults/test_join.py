@@ -215,6 +215,50 @@ def test_a_joiner_that_dies_before_it_is_met_is_dropped():
         torch.testing.assert_close(r["p"], ranks[0]["p"], rtol=0, atol=0)
 
 
+def _local(rank: int, world: int, k: int | None, policy: str, victim: int, kill_at: int):
+    """Local steps (H = 3, inner SGD at lr 0.1) on 0.5 * |p - 2|^2 with elastic=True: the victim is
+    SIGKILLed before its step ``kill_at`` (between outer steps), its replacement joins, and every worker
+    takes AFTER more steps (whole outer steps) once the job is back at full size."""
+    p = torch.nn.Parameter(torch.zeros(300))
+    opt = pyasync.DistributedOptimizer(
+        torch.optim.SGD([p], lr=0.1), policy=policy, timeout=TIMEOUT, elastic=True, bucket_cap_mb=512 / 2**20
+    )
+    t, full_since, deadline = 0, None, time.monotonic() + 90
+    while full_since is None or t - full_since < 4 * AFTER:
+        if k is None and rank == victim and t == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        p.grad = p.detach() - 2.0
+        opt.step()
+        t += 1
+        if full_since is None and len(_members(opt)) == world and opt.stats().epoch >= 2 - (k is not None):
+            full_since = t
+        if t >= kill_at + 2 and full_since is None:
+            time.sleep(0.02)  # waiting for the replacement: pace, do not spin
+        assert t < MAXT and time.monotonic() < deadline, "the replacement never joined"
+    opt.close()
+    st = opt.stats()
+    return {"p": p.detach().clone(), "epochs": st.epochs, "members": st.members, "outer": st.clock}
+
+
+@multiproc
+@pytest.mark.parametrize("policy", ["local:3", "local:3:quorum:3", "local:3:async", "local:3:async:adaptive"])
+def test_a_replacement_joins_under_local_steps(policy):
+    """Note [Joining under local steps]: the replacement anchors at the replica it received, starts its
+    inner optimizer empty and pushes its first change H steps later; the job ends at full size with equal
+    replicas at the optimum (2; measured within 0.01 with no death)."""
+    victim = 2
+    ranks, (j,) = run_with_replacements(_local, WORLD, 1, args=(policy, victim, 7), timeout=180)
+    assert ranks[victim] is None
+    done = [r for r in ranks if r is not None] + [j]
+    for r in done:
+        assert r["members"] == [0, 1, 3, 4], r["members"]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+    assert j["epochs"][0]["joined"] == [WORLD] and j["outer"] >= AFTER, j  # 4 * AFTER steps, H_i <= 3
+    p = done[0]["p"]
+    assert float((p - 2.0).abs().max()) < 0.05, (float(p.min()), float(p.max()))
+
+
 def _owed(rank: int, world: int, k: int | None, target: int, codec: str):
     """ASP (lr 1, no clipping) with a compressing codec until the job has ``target`` members, then AFTER
     steps more. Each step's gradient is random (fixed by worker and step) and does not depend on the
