@@ -41,7 +41,7 @@ from pyasync.session import groups
 from pyasync.session.bootstrap import handshake, public_items, tell_peers
 from pyasync.session.epoch import Epoch, Setup, abandon, release_control, start_epoch, stop_engine
 from pyasync.session.joining import Requests, decide_fate, joining, publish
-from pyasync.session.meet import collective_failure, global_ranks, store
+from pyasync.session.meet import collective_failure, global_ranks, solo_key, store
 from pyasync.session.membership import EpochChange, change_epoch, join_epoch
 from pyasync.transport.base import Transport
 
@@ -224,6 +224,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         world = len(members)
         if world > 1:
             control, tp, key = handshake(self._setup, process_group, policy, layouts)
+        elif self._setup.elastic:
+            key = solo_key()  # one worker: others may still join it
         epoch = start_epoch(
             self._setup,
             number=0,
@@ -238,7 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             transport=tp,
         )
         self._epoch = epoch
-        if self._setup.elastic and world > 1:
+        if self._setup.elastic:
             self._open_to_joiners(policy, members, rank)
         return epoch
 
@@ -253,7 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return epoch
 
     def _open_to_joiners(self, policy: Policy, members: list[int], rank: int) -> None:
-        """Elastic, more than one rank: rank 0 writes what a joiner needs to find and check this job, and
+        """Elastic (one rank or more): rank 0 writes what a joiner needs to find and check this job, and
         every member looks for join requests (Note [Joining a running job])."""
         st, ep = store(), self._epoch
         if st is None or not ep.key:

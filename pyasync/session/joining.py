@@ -7,9 +7,10 @@ Note [Joining a running job]
     world_size=1)``, or ``env://`` with ``WORLD_SIZE=1`` and the job's ``MASTER_ADDR``/``MASTER_PORT``),
     so its store keys are the members' keys. Then:
 
-    1. **Find the job.** At construction the job's rank 0 wrote the job's prefix (``pyasync/elastic/job``),
-       its job id (``PYASYNC_JOB_ID``, else torchrun's run id), epoch 0's members and the agreement
-       items of session/bootstrap.py (parameters, policy, codec, optimizer and hyperparameters, ...).
+    1. **Find the job.** At construction the job's rank 0 (the only rank of a job of one) wrote the
+       job's prefix (``pyasync/elastic/job``), its job id (``PYASYNC_JOB_ID``, else torchrun's run
+       id), epoch 0's members and the agreement items of session/bootstrap.py (parameters, policy,
+       codec, optimizer and hyperparameters, ...).
        The joiner compares its own with them: a worker that does not belong (another job's id,
        another model, other hyperparameters, another codec) is refused with the first difference,
        before the job sees it.

@@ -274,6 +274,12 @@ def _linger(st, keys: list[str], missing: list[int], me: str, timeout: datetime.
             time.sleep(0.05)
 
 
+def solo_key() -> str:
+    """The store prefix of an elastic job of one rank, which has no meeting to name it (the prefix a
+    meeting of that one rank would give), so that workers can join it (Note [Joining a running job])."""
+    return _keys(next(_generation), [dist.get_rank()])[0].rsplit("/", 1)[0].replace("join", "membership", 1)
+
+
 def _keys(gen: int, ranks: list[int]) -> list[str]:
     prefix = f"pyasync/join/{gen}/{'-'.join(map(str, ranks))}"
     return [f"{prefix}/{g}" for g in ranks]

@@ -115,6 +115,8 @@ class EpochChange:
     # running job] in session/joining.py)
     bytes_sent: int = 0  # state this rank sent point to point (a joiner's replica, the re-split)
     bytes_received: int = 0  # and received (the lost shards' broadcasts are not counted)
+    cpu_seconds: float = 0.0  # this process's CPU time in the change (every thread): on dedicated
+    # machines, about its ``seconds`` less the waits; on a shared one, what it competed for
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -629,7 +631,7 @@ def change_epoch(epoch: Epoch, setup: Setup, requests: Requests | None = None) -
     joiners whose requests wait in ``requests`` (Note [Membership epochs], Note [Joining a running job]):
     its engine started on the re-sharded values. Every member calls it; bounded by the optimizer's timeout
     at every wait. ``epoch``'s engine is stopped (its group is the caller's to destroy)."""
-    t0, started = time.monotonic(), time.time()
+    t0, started, c0 = time.monotonic(), time.time(), time.process_time()
     old = epoch.engine
     seen = old.lost_at or started
     me = epoch.members[epoch.rank]
@@ -660,6 +662,7 @@ def change_epoch(epoch: Epoch, setup: Setup, requests: Requests | None = None) -
         lost=lost,
         members=mem.members,
         seconds=time.monotonic() - t0,
+        cpu_seconds=time.process_time() - c0,
         seen_at=seen,
         started_at=started,
         pushes_lost=gone.pushes_lost,
@@ -696,7 +699,7 @@ def join_epoch(setup: Setup, items: dict[str, list[str]]) -> tuple[Epoch, EpochC
     """A new worker joins the running elastic job on this process's store (Note [Joining a running
     job]): refused when it does not belong, else admitted at the members' next epoch change, with its
     replica, its shards' masters and optimizer state; returns its first epoch (its engine running)."""
-    t0, started = time.monotonic(), time.time()
+    t0, started, c0 = time.monotonic(), time.time(), time.process_time()
     timeout = setup.timeout
     st = meet.store()
     if st is None:
@@ -736,6 +739,7 @@ def join_epoch(setup: Setup, items: dict[str, list[str]]) -> tuple[Epoch, EpochC
         lost=lost,
         members=members,
         seconds=time.monotonic() - t0,
+        cpu_seconds=time.process_time() - c0,
         seen_at=started,
         started_at=started,
         pushes_lost=0,

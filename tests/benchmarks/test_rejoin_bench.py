@@ -30,3 +30,15 @@ def test_a_join_is_measured(tmp_path):
     assert row["replica_bytes_per_donor"] < row["member_bytes_sent_median"] <= row["member_bytes_sent_max"]
     assert row["member_bytes_sent_max"] < row["allreduce_reshard_bytes_per_member"]
     assert row["busiest_link_bytes"] == max(row["member_bytes_sent_max"], row["joiner_bytes_received"])
+    # the processes' own CPU time in the change: some, and no more than two cores in that time
+    assert 0 < row["joiner_cpu_s"] <= 2 * row["joiner_request_to_engine_s"] + 0.1, row
+    assert 0 < row["members_cpu_s_max"] <= 2 * row["members_pause_max_s"] + 0.1, row
+
+
+@multiproc
+def test_a_job_of_one_worker_is_joined(tmp_path):
+    """One donor: the joiner gets the whole replica and half the state from the job's only worker."""
+    out = str(tmp_path / "rejoin.json")
+    (row,) = rejoin.main(["--numel", "1M", "--donors", "1", "--timeout", "120", "--out", out])
+    assert abs(row["joiner_bytes_received"] - (4 * 10**6 + 8 * 10**6 / 2)) < 0.01 * 8 * 10**6 / 2, row
+    assert row["member_bytes_sent_max"] == row["joiner_bytes_received"], row

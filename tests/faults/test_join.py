@@ -207,6 +207,39 @@ def test_two_joiners_at_once_grow_the_job():
 
 
 @multiproc
+def test_a_job_of_one_worker_grows():
+    """A job started with one elastic worker publishes its record too (its prefix from
+    meet.solo_key()): two workers join it, the ledger is exact."""
+    ranks, joiners = run_with_replacements(_grow, 1, 0, args=(3, False), timeout=150, joiners=2)
+    done = ranks + joiners
+    assert sorted(r["me"] for r in done) == [0, 1, 2]
+    for r in done:
+        assert r["members"] == [0, 1, 2]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+    seen = _check_ledger(done, (1.0, 0.5, pytest.approx(1 / 3)))
+    assert float(done[0]["p"][~seen].abs().sum()) == 0.0
+
+
+@multiproc
+def test_a_job_that_shrank_to_one_worker_grows_back():
+    """Two workers, one SIGKILLed: the survivor trains alone (an epoch of one member, no group, no
+    transport), then the replacement joins it; the ledger is exact."""
+    ranks, (j,) = run_with_replacements(_ledger, 2, 1, args=("asp", 1, 5), timeout=150)
+    assert ranks[1] is None
+    done = [ranks[0], j]
+    for r in done:
+        assert r["members"] == [0, 2], r["members"]
+        torch.testing.assert_close(r["p"], done[0]["p"], rtol=0, atol=0)
+    assert [c["lost"] for c in ranks[0]["epochs"]] == [[1], []], ranks[0]["epochs"]
+    p = -done[0]["p"]
+    seen = _check_ledger(done, (0.5, 1.0))
+    for t in range(5):  # the victim's pushes before it died: applied once or not at all
+        seen[MAXT + t] = True
+        assert float(p[MAXT + t]) in (0.0, 0.5), (t, float(p[MAXT + t]))
+    assert float(p[~seen].abs().sum()) == 0.0
+
+
+@multiproc
 def test_a_joiner_that_dies_before_it_is_met_is_dropped():
     ranks, joiners = run_with_replacements(_grow, 3, 0, args=(3, True), timeout=150, joiners=1)
     assert joiners == [None]
