@@ -1,8 +1,8 @@
 """What a join costs against the number of donors: a large state, a job of m members, one joiner.
 
-    python bench/rejoin.py --out bench/results/rejoin_cpu/rejoin_25M.json      # 25M parameters, m = 1,2,4,8
-    python bench/rejoin.py --numel 100M --donors 2 --out bench/results/rejoin_cpu/rejoin_100M.json
-    python bench/rejoin.py --numel 1M --donors 2 --out /tmp/rejoin.json               # a quick look
+    python bench/rejoin.py --out bench/results/rejoin_cpu/rejoin_25M_run1.json  # 25M, m = 1,2,4,8
+    python bench/rejoin.py --numel 100M --donors 1,2 --out bench/results/rejoin_cpu/rejoin_100M_run1.json
+    python bench/rejoin.py --numel 1M --donors 2 --out /tmp/rejoin.json             # a quick look
 
 Each process holds several copies of the state (parameters, a gradient, push frames, the copies elastic
 membership keeps until answered): 100M parameters with 4 members ran out of 24 GiB here.
