@@ -417,6 +417,23 @@ def _transfer_fault(rank: int, world: int, k: int | None, who: str):
     return _grow(rank, world, k, 3, False, settle=True)
 
 
+def _stopped_joiner(rank: int, world: int, k: int | None):
+    """The joiner stops (SIGSTOP: its connections stay open) inside the change, while the state moves;
+    rank 0 SIGKILLs it once the members are done."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    import pyasync.session.membership as membership
+
+    st = _get_default_store()
+    if k is not None:
+        st.set("stopped", str(os.getpid()))
+        membership._give_replica = lambda epoch, setup, mem: os.kill(os.getpid(), signal.SIGSTOP)
+    out = _grow(rank, world, k, 3, False, settle=True)
+    if rank == 0:
+        os.kill(int(st.get("stopped")), signal.SIGKILL)
+    return out
+
+
 def _corrupted(rank: int, world: int, k: int | None):
     """The joiner's replica arrives with one value changed: every member's change must fail, naming it."""
     import pyasync.session.membership as membership
@@ -442,6 +459,23 @@ def test_a_corrupted_transfer_fails_the_join_naming_who_differs():
     ranks, (j,) = run_with_replacements(_corrupted, 2, 0, timeout=150, joiners=1)
     for said in [*ranks, j]:
         assert "the replicas of members [2] differ from member 0's (buckets [0])" in said, said
+
+
+@multiproc
+def test_a_joiner_stopped_while_the_state_moves_is_dropped():
+    """A hung joiner (SIGSTOP, no connection ends): the members' change fails at the timeout (30 s
+    here: gloo's send to it never completes), they find it gone (it marked nothing, Note [Joining a
+    running job]) and change again without it, at their size, within the timeout and the grace
+    (measured 40 s)."""
+    from pyasync.session.joining import GRACE_S
+
+    ranks, (j,) = run_with_replacements(_stopped_joiner, 3, 0, timeout=200, joiners=1)
+    assert j is None
+    for r in ranks:
+        assert r["members"] == [0, 1, 2], r["members"]
+        torch.testing.assert_close(r["p"], ranks[0]["p"], rtol=0, atol=0)
+        (change,) = r["epochs"]
+        assert change["joined"] == [] and change["seconds"] < TIMEOUT.total_seconds() + GRACE_S + 10, change
 
 
 @multiproc
