@@ -23,6 +23,7 @@ stepping (paced: one step per 50 ms), and every process stops ``--after`` steps 
   busiest member's spent in the change (``stats().epochs[i]["cpu_seconds"]``): what each process
   itself costs, which on m + 1 dedicated machines bounds the change's time with the wire time, and
   which here the m + 1 processes compete for on two cores;
+* ``max_rss_mb``: the largest peak resident memory of any process (what limits m here);
 * ``replica_bytes_per_donor``: what each donor sends the joiner for its replica (its own shards'
   values; computed from the layout);
 * ``member_bytes_sent_max`` / ``_median``, ``joiner_bytes_received``: the state each process sent or
@@ -49,6 +50,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import statistics
 import sys
@@ -98,8 +100,10 @@ def _worker(
         first_push = None
         t, joined_at = 0, None
         while True:
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
+            for p in params:  # in place: a fresh tensor per step would be one more copy at the peak
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.normal_(generator=gen)
             opt.step()
             t += 1
             if first_push is None:
@@ -112,7 +116,8 @@ def _worker(
                 time.sleep(0.05)  # the joiner is starting: pace the members' steps
         opt.close()
         st = opt.stats()
-        out.put((slot, join, {"first_push_s": first_push, "epochs": st.epochs}))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+        out.put((slot, join, {"first_push_s": first_push, "epochs": st.epochs, "max_rss_mb": rss}))
         dist.destroy_process_group()
     except BaseException as e:
         import traceback
@@ -171,6 +176,7 @@ def run_one(m: int, numel: int, steps: int, after: int, timeout: float) -> dict:
         "members_pause_s": statistics.median(c["seconds"] for c in change),
         "members_pause_max_s": max(c["seconds"] for c in change),
         "joiner_cpu_s": j["epochs"][0]["cpu_seconds"],
+        "max_rss_mb": max(r["max_rss_mb"] for _, _, r in got),
         "members_cpu_s_max": max(c["cpu_seconds"] for c in change),
         "replica_bytes_per_donor": numel * 4 // m,
         "member_bytes_sent_max": max(sent),
