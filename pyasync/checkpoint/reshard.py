@@ -122,7 +122,7 @@ def reshard_residuals(mpath: str, saved: list[dict], old_layouts: list, t: Targe
     if bad:
         raise CheckpointError(
             f"{mpath}: bucket {bad[0]}'s error-feedback residual for rank {v} of {m} overflows float32 when "
-            f"scaled by {t.policy.divisor(m)}/{t.policy.divisor(n)}"
+            f"scaled by {scale[0]}/{scale[1]}"
         )
     return out
 

@@ -19,7 +19,7 @@ from pyasync.engine.core.shards import BucketLayout
 from pyasync.policy import Policy
 from pyasync.session.agree import AgreementError, check_agreement
 from pyasync.session.epoch import Setup, destroy_group
-from pyasync.session.meet import collective_failure, control_group, gave_up, join, settle
+from pyasync.session.meet import collective_failure, control_group, gave_up, join, membership_prefix, settle
 from pyasync.transport.base import Transport
 
 __all__ = [
@@ -112,7 +112,7 @@ def handshake(
     store for membership records); raises the same error on every rank when any rank failed."""
     timeout = setup.timeout
     keys = join(group, timeout, WHAT)
-    key = (keys[0].rsplit("/", 1)[0] if keys else "pyasync/job").replace("join", "membership", 1)
+    key = membership_prefix(keys)
     control, tp = None, None
     failed: BaseException | None = None
     try:

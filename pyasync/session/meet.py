@@ -274,10 +274,16 @@ def _linger(st, keys: list[str], missing: list[int], me: str, timeout: datetime.
             time.sleep(0.05)
 
 
+def membership_prefix(keys: list[str]) -> str:
+    """The job's prefix in the store for membership records, named after the meeting whose keys are
+    ``keys`` (its "join" prefix, with "membership" for "join"); "pyasync/job" without one."""
+    return (keys[0].rsplit("/", 1)[0] if keys else "pyasync/job").replace("join", "membership", 1)
+
+
 def solo_key() -> str:
     """The store prefix of an elastic job of one rank, which has no meeting to name it (the prefix a
     meeting of that one rank would give), so that workers can join it (Note [Joining a running job])."""
-    return _keys(next(_generation), [dist.get_rank()])[0].rsplit("/", 1)[0].replace("join", "membership", 1)
+    return membership_prefix(_keys(next(_generation), [dist.get_rank()]))
 
 
 def _keys(gen: int, ranks: list[int]) -> list[str]:

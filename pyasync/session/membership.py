@@ -582,13 +582,12 @@ def _recut_feedback(setup: Setup, epoch: Epoch, mem: Members, new_layouts: list)
         return []
     scale = (setup.policy.divisor(len(mem.members)), setup.policy.divisor(len(epoch.members)))
     res, bad = recut_slots([comp.state_dict()], epoch.layouts, new_layouts, scale)
-    vel, bad_v = {}, []
+    comp.load_state_dict(res)
+    what, bad_v = "", []
     if comp.momentum is not None:  # TopK's momentum correction (Note [Momentum correction for top-k])
         vel, bad_v = recut_slots([comp.velocity_state_dict()], epoch.layouts, new_layouts, scale)
-    comp.load_state_dict(res)
-    if comp.momentum is not None:
         comp.load_velocity_state_dict(vel)
-    what = " and top-k velocities" if comp.momentum is not None else ""
+        what = " and top-k velocities"
     out = [f"error-feedback residuals{what} of ranks {mem.lost} (lost with them)"] if mem.lost else []
     if bad or bad_v:
         out.append(f"this worker's error-feedback state of buckets {sorted(set(bad + bad_v))} (overflowed)")
