@@ -581,13 +581,16 @@ def _recut_feedback(setup: Setup, epoch: Epoch, mem: Members, new_layouts: list)
     if not comp.error_feedback:
         return []
     scale = (setup.policy.divisor(len(mem.members)), setup.policy.divisor(len(epoch.members)))
+    # TopK's momentum correction (Note [Momentum correction for top-k]) keeps velocities too
+    velocities = comp.momentum is not None
     res, bad = recut_slots([comp.state_dict()], epoch.layouts, new_layouts, scale)
-    comp.load_state_dict(res)
-    what, bad_v = "", []
-    if comp.momentum is not None:  # TopK's momentum correction (Note [Momentum correction for top-k])
+    vel, bad_v = {}, []
+    if velocities:
         vel, bad_v = recut_slots([comp.velocity_state_dict()], epoch.layouts, new_layouts, scale)
+    comp.load_state_dict(res)  # both re-cut before either is loaded: a failure leaves the old state whole
+    if velocities:
         comp.load_velocity_state_dict(vel)
-        what = " and top-k velocities"
+    what = " and top-k velocities" if velocities else ""
     out = [f"error-feedback residuals{what} of ranks {mem.lost} (lost with them)"] if mem.lost else []
     if bad or bad_v:
         out.append(f"this worker's error-feedback state of buckets {sorted(set(bad + bad_v))} (overflowed)")
