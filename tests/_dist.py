@@ -12,9 +12,11 @@ Worker functions must live at module level of an importable test module.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import io
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -51,6 +53,8 @@ def _entry(
 ) -> None:
     os.environ["PYASYNC_NUM_THREADS"] = "1"
     os.environ["OMP_NUM_THREADS"] = "1"
+    # the parent asks a rank that never reported where it is stuck before it kills it (_stop)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         torch.set_num_threads(1)
         import torch.distributed as dist
@@ -81,6 +85,23 @@ def _entry(
         results.put((rank if report_as is None else report_as, "ok", buf.getvalue()))
     except BaseException:
         results.put((rank if report_as is None else report_as, "error", traceback.format_exc()))
+
+
+def _stop(procs, quiet) -> None:
+    """Kill the processes still running; those not in quiet (ranks that reported, or may die) first
+    print every thread's stack to stderr (the test's captured output), so that a hang names the wait
+    that did not end."""
+    stuck = [p for i, p in procs if i not in quiet and p.is_alive()]
+    for p in stuck:
+        os.kill(p.pid, signal.SIGUSR1)
+    end = time.monotonic() + 2  # faulthandler writes from a signal handler: a moment is enough
+    for p in stuck:
+        p.join(max(0.0, end - time.monotonic()))
+    for _, p in procs:
+        if p.is_alive():
+            p.kill()
+    for _, p in procs:
+        p.join(5)
 
 
 def run_workers(
@@ -127,7 +148,8 @@ def run_workers(
     for p in procs:
         p.start()
     got: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
 
     def settled() -> bool:
         return all(i in got or (i in may_die and not p.is_alive()) for i, p in enumerate(procs))
@@ -168,11 +190,8 @@ def run_workers(
         for i, p in enumerate(procs):
             if i in got:
                 p.join(10)  # a rank that reported exits by itself: let it, to see how it exits
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
+        stopped_after = time.monotonic() - start
+        _stop(list(enumerate(procs)), set(got) | may_die)
         if exitcodes is not None:
             exitcodes[:] = [p.exitcode for p in procs]
         del store  # a store hosted here lives until every rank has ended
@@ -188,7 +207,11 @@ def run_workers(
         elif r in got:
             report.append(f"--- rank {r} finished")
         else:
-            report.append(f"--- rank {r} did not finish within {timeout:g} s (exit code {p.exitcode})")
+            report.append(
+                f"--- rank {r} had not reported when the run was stopped after {stopped_after:.0f} s "
+                f"(limit {timeout:g} s; exit code {p.exitcode}; its stacks, if it was stuck, are in the "
+                "captured stderr)"
+            )
     pytest.fail(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(report), pytrace=False)
 
 
@@ -265,9 +288,7 @@ def run_with_replacements(
     finally:
         for p in procs.values():
             p.join(max(0.0, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        _stop(list(procs.items()), got)
         del store
     failed = [f"--- worker {i} failed:\n{v}" for i, (s_, v) in got.items() if s_ == "error"]
     missing = [i for i in procs if i not in got and i not in replaced]

@@ -265,7 +265,7 @@ def test_a_stopped_rank_is_named_by_survivors_that_leave_at_once():
 ASP_STEPS = 50  # steps the others take while one rank is stopped
 
 
-def _stopped_asp(rank, world, victim, pid):
+def _stopped_asp(rank, world, victim, pid, stepped):
     model, opt = make("asp", world, SHORT)
     rec: dict = {"steps_while_stopped": 0}
     for t in range(STOP_AT):
@@ -281,6 +281,9 @@ def _stopped_asp(rank, world, victim, pid):
             train_step(model, opt, rank, t)  # never waits for the stopped rank
             rec["steps_while_stopped"] += 1
         rec["patience_expired"] = opt.stats().patience_expired
+        # Resume the victim only once both have stepped past it: a rank slower to its first step (a
+        # loaded machine) would otherwise look for a stopped victim that is running again.
+        stepped.wait(HARNESS_S)
         if rank == 0:
             os.kill(pid.value, signal.SIGCONT)
     opt.close()  # the others wait (their deadline resets while it makes progress) until it closed too
@@ -292,8 +295,9 @@ def _stopped_asp(rank, world, victim, pid):
 def test_asp_goes_on_while_a_rank_is_stopped():
     world, victim = 3, 2
     codes: list = []
-    res = run_workers(_stopped_asp, world, args=(victim, ctx().Value("i", 0)), timeout=HARNESS_S,
-                      exitcodes=codes)
+    c = ctx()
+    res = run_workers(_stopped_asp, world, args=(victim, c.Value("i", 0), c.Barrier(world - 1)),
+                      timeout=HARNESS_S, exitcodes=codes)
     assert codes == [0, 0, 0], codes
     for r in (0, 1):
         assert res[r]["steps_while_stopped"] == ASP_STEPS
