@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "torchft-diloco[:H][:lr=X][:momentum=M] (torchft's DiLoCo, H inner steps per outer step, default 16; "
         "outer Nesterov SGD, default lr 0.5, momentum 0.8 as local:H), torchft-localsgd[:H] (torchft's "
         "LocalSGD), or a pyasync policy (bsp, ssp:S, asp, quorum:K, local:H, ...) optionally +int8, "
-        "+topk:RATIO, +fp16, ... (default: the 16 of docs/benchmarks.md)",
+        "+topk:RATIO, +fp16, ...; any of them @lr=X to train it at X times the model's lr "
+        "(default: the 16 of docs/benchmarks.md)",
     )
     p.add_argument(
         "--scenarios",
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 epochs=epochs,
                 batch_size=args.batch_size,
                 hidden=spec.hidden,
-                lr=spec.adamw_lr if optimizer == "adamw" else spec.lr,
+                lr=(spec.adamw_lr if optimizer == "adamw" else spec.lr) * system.lr_scale,
                 momentum=spec.momentum if optimizer == "sgd" else 0.0,
                 seed=args.seed,
                 straggler=sc.straggler,
@@ -305,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "scenario_about": sc.about,
                 "model": model,
                 "optimizer": optimizer,
+                "lr_scale": system.lr_scale,
                 "metric": spec.metric,
                 "target_acc": targets[model] if spec.metric == "acc" else None,
                 "target_loss": targets[model] if spec.metric == "loss" else None,

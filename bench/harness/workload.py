@@ -52,6 +52,7 @@ class BenchSystem(SystemSpec):
     peer_round: int | None = None
     outer_lr: float | None = None  # torchft-diloco: the outer SGD's learning rate
     outer_momentum: float | None = None  # torchft-diloco: the outer SGD's (Nesterov) momentum
+    lr_scale: float = 1.0  # ``NAME@lr=X``: the system's optimizer runs at X times the model's lr
 
     @property
     def is_peer(self) -> bool:
@@ -149,9 +150,14 @@ def parse_system(token: str, workers: int) -> BenchSystem:
     ones, 0.5 and 0.8) or ``torchft-localsgd[:H]``.
 
     ``ddp+fp16`` and ``ddp+powersgd`` are DDP with torch's ``fp16_compress_hook`` and ``powerSGD_hook``
-    (rank 2 unless given). Raises ValueError naming the token.
+    (rank 2 unless given). Any of them may end in ``@lr=X``: its (inner) optimizer runs at X times the
+    model's learning rate, e.g. ``local:16:quorum:3@lr=0.5`` beside ``ddp`` at the model's own.
+    Raises ValueError naming the token.
     """
     name = token.strip()
+    head, at, scale = name.partition("@")
+    if at:
+        return dataclasses.replace(parse_system(head, workers), name=name, lr_scale=_lr_scale(name, scale))
     base, plus, codec = name.lower().partition("+")
     if base == "ddp" and plus:
         hook = _parse_ddp_hook(name, codec)
@@ -185,6 +191,17 @@ def parse_system(token: str, workers: int) -> BenchSystem:
             "'torchft-diloco' and 'torchft-localsgd')"
         ) from None
     return BenchSystem(**dataclasses.asdict(spec))
+
+
+def _lr_scale(name: str, text: str) -> float:
+    key, eq, value = text.partition("=")
+    try:
+        x = float(value) if key.strip().lower() == "lr" and eq else math.nan
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"system {name!r}: after '@' write lr=X with X > 0, e.g. local:16@lr=0.5")
+    return x
 
 
 def parse_systems(text: str, workers: int) -> list[BenchSystem]:

@@ -49,9 +49,22 @@ def test_parse_hivemind_and_pyasync_kinds():
     assert q.kind == "pyasync" and q.is_pyasync and q.ddp_hook is None and q.powersgd_rank is None
 
 
+def test_parse_a_scaled_lr():
+    s = W.parse_system("local:16:quorum:3+int8@lr=0.5", 4)
+    want = ("local:16:quorum:3+int8@lr=0.5", "local:16:quorum:3", "int8", 0.5)
+    assert (s.name, s.policy, s.compression, s.lr_scale) == want
+    assert W.parse_system("ddp", 4).lr_scale == 1.0 and W.parse_system("ddp@LR=2", 4).lr_scale == 2.0
+    # the same system at two lrs side by side: distinct names
+    assert [x.lr_scale for x in W.parse_systems("asp,asp@lr=0.7", 4)] == [1.0, 0.7]
+
+
 @pytest.mark.parametrize(
     "token, message",
     [
+        ("asp@lr=0", "lr=X with X > 0"),
+        ("asp@lr=x", "lr=X with X > 0"),
+        ("asp@momentum=0.5", "lr=X with X > 0"),
+        ("asp@lr=inf", "lr=X with X > 0"),
         ("ddp+int8", "not to ddp"),
         ("ddp+topk:0.01", "not to ddp"),
         ("ddp+fp16:2", "not to ddp"),
