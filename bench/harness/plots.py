@@ -16,6 +16,8 @@ _CODEC_STYLES = {None: "-", "none": "-", "fp16": "--", "int8": "--", "bf16": "--
 
 #: Variants of a policy get a colour of their own, so they can be told from the plain policy in one panel.
 _VARIANT_COLORS = {"ssp-wide": "tab:cyan", "asp:inverse": "tab:olive", "quorum-fold": "tab:pink"}
+#: Local steps by how their outer steps meet (``local:H``, ``local:H:async``, ``local:H:quorum:K``).
+_LOCAL_COLORS = {"sync": "teal", "async": "limegreen", "quorum": "magenta"}
 
 #: Per metric (a record's ``metric``, "acc" when absent): the curve's key, the y axis's label, the stem of
 #: the file name and the words of the title.
@@ -27,7 +29,8 @@ _METRICS = {
 
 def _style(r: Mapping[str, Any]) -> dict[str, Any]:
     """Line colour by system family (DDP, each policy, hivemind, torchft), line style by compression. SSP
-    with a bound of 3 or more, ``asp:inverse`` and Quorum with ``:fold`` get colours of their own."""
+    with a bound of 3 or more, ``asp:inverse``, Quorum with ``:fold`` and each mode of local steps get
+    colours of their own; a system at a scaled lr (``NAME@lr=X``) gets markers on its line."""
     policy = r.get("policy") or ""
     kind = r.get("kind")
     family = kind if kind in _POLICY_COLORS else policy.split(":")[0]
@@ -39,8 +42,13 @@ def _style(r: Mapping[str, Any]) -> dict[str, Any]:
         color = _VARIANT_COLORS["asp:inverse"]
     elif family == "quorum" and "fold" in args:
         color = _VARIANT_COLORS["quorum-fold"]
+    elif family == "local":
+        color = _LOCAL_COLORS["async" if "async" in args else "quorum" if "quorum" in args else "sync"]
     codec = (r.get("compression") or "none").split(":")[0]
-    return {"color": color, "linestyle": _CODEC_STYLES.get(codec, "-")}
+    style = {"color": color, "linestyle": _CODEC_STYLES.get(codec, "-")}
+    if r.get("lr_scale", 1.0) != 1.0:
+        style.update(marker="o", markersize=3)
+    return style
 
 
 def plot_e2e(records: Sequence[Mapping[str, Any]], out_dir: str) -> list[str]:

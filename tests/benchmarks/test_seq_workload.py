@@ -144,10 +144,14 @@ def test_quick_plan_runs_seq_on_equal_workers_only():
 def test_plot_styles_tell_policy_variants_apart():
     from harness.plots import _style
 
-    names = ["ddp", "bsp", "ssp:1", "ssp:3", "asp", "asp:inverse", "quorum:3", "quorum:3:fold"]
+    names = ["ddp", "bsp", "ssp:1", "ssp:3", "asp", "asp:inverse", "quorum:3", "quorum:3:fold", "local:16",
+             "local:16:async", "local:16:quorum:3"]
     styles = {n: _style({"kind": "ddp" if n == "ddp" else "pyasync", "policy": None if n == "ddp" else n})
               for n in names}  # fmt: skip
     assert len({s["color"] for s in styles.values()}) == len(names)
     assert _style({"policy": "ssp:2"})["color"] == styles["ssp:1"]["color"]
     int8 = _style({"policy": "asp", "compression": "int8"})
     assert int8["color"] == styles["asp"]["color"] and int8["linestyle"] != styles["asp"]["linestyle"]
+    scaled = _style({"policy": "local:16:async", "lr_scale": 2.0})
+    assert scaled["color"] == styles["local:16:async"]["color"] and scaled.get("marker")
+    assert "marker" not in styles["local:16:async"]
