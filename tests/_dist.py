@@ -5,7 +5,8 @@
 Each worker runs in a fresh process (torch.multiprocessing "spawn"), with torch.distributed initialised
 on gloo over a free localhost port, torch and the pyasync kernels limited to one thread, and returns a
 picklable value. The helper waits at most ``timeout`` seconds in all; on a failure or a timeout it
-kills the remaining workers it started and fails with every rank's traceback (or "still running").
+kills the remaining workers it started and fails with every rank's traceback, or, for a rank that never
+reported, the time it was stopped after and its threads' stacks (dumped to the captured stderr first).
 Worker functions must live at module level of an importable test module.
 """
 
