@@ -10,6 +10,15 @@ Note [Worker process trees]
     the kernel does not hand out a pid again while a process group of that id has members, so the id
     names no other group while anything of the worker's is left. Linux only (the group's members are
     read from /proc); elsewhere the signals still go to the groups but nothing waits for them.
+
+Note [Which worker failed]
+    When one worker fails, its peers fail soon after (a reset connection in their next collective),
+    and torch's ``ProcessContext.join`` names whichever failed process it happens to look at first:
+    the consequence as often as the cause. So each worker also puts its own traceback, with the time
+    it failed, on the result queue before it exits, and the parent names every rank that failed by
+    itself (:func:`failure_report`): first those that died without a traceback (an exit code or a
+    signal: nothing raised, so nothing of the run's made them die), then those that raised, earliest
+    first. Ranks ended by the SIGTERM that follows the first failure are left out.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import queue as queue_mod
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -54,10 +64,22 @@ def _local_worker(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    base = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    store = join_run(base, prefix, rank, cfg.workers, cfg.timeout_s)
     progress = (lambda samples: queue.put(("progress", samples))) if rank == 0 else None
-    record = worker(cfg, rank, store, progress, data)
+    try:
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        base = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        store = join_run(base, prefix, rank, cfg.workers, cfg.timeout_s)
+        record = worker(cfg, rank, store, progress, data)
+    except Exception:
+        # What failed here and when, for the parent's report (Note [Which worker failed]); torch's
+        # wrapper still records the traceback and exits with status 1. Its tail only: a message under
+        # PIPE_BUF (4 KiB) goes down the pipe whole, so a worker terminated mid-send cannot leave the
+        # parent a partial message to block on.
+        tail = traceback.format_exc().encode()[-3000:].decode(errors="ignore")
+        queue.put(("error", rank, time.time(), tail))
+        queue.close()
+        queue.join_thread()
+        raise
     if rank == 0:
         queue.put(("result", record))
     dist.destroy_process_group()
@@ -122,6 +144,39 @@ def end_process_groups(pgids: list[int], grace_s: float = 10.0) -> list[int]:
     return left
 
 
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def failure_report(exitcodes: list[int | None], errors: dict[int, tuple[float, str]], first: int) -> str:
+    """Every rank of a failed run that failed by itself, the likely cause first (Note [Which worker
+    failed]). ``exitcodes``: each process's exit code (None: still running); ``errors``: rank ->
+    (time it failed, traceback) as the workers reported them; ``first``: the rank torch noticed
+    first, always named (its own exit status where it reported no traceback)."""
+    died = [
+        r
+        for r, code in enumerate(exitcodes)
+        if r not in errors and code not in (None, 0) and (code != -signal.SIGTERM or r == first)
+    ]
+    if first not in errors and first not in died:
+        died.insert(0, first)
+    parts = [
+        f"-- Process {r} terminated with {_exit_status(exitcodes[r] or 0)} (no traceback: it exited or "
+        "was killed without raising)"
+        for r in died
+    ]
+    parts += [
+        f"-- Process {r} terminated with the following error:\n{tb}"
+        for r, (_, tb) in sorted(errors.items(), key=lambda kv: kv[1][0])
+    ]
+    return "\n\n".join(parts)
+
+
 def run_local(
     cfg: TrainConfig,
     store: dist.TCPStore,
@@ -168,6 +223,7 @@ def _spawn(
     )
     deadline = time.monotonic() + run_timeout_s
     record = None
+    errors: dict[int, tuple[float, str]] = {}  # rank -> (when, traceback): Note [Which worker failed]
 
     def drain(wait_s: float) -> None:
         nonlocal record
@@ -178,6 +234,8 @@ def _spawn(
                     progress(msg[1])
                 elif msg[0] == "result":
                     record = msg[1]
+                elif msg[0] == "error":
+                    errors[msg[1]] = (msg[2], msg[3])
                 msg = queue.get_nowait()
         except queue_mod.Empty:
             pass
@@ -188,7 +246,12 @@ def _spawn(
             try:
                 done = procs.join(timeout=0)
             except ProcessException as e:  # raised or exited: the others are terminated
-                raise WorkerError(f"{label}: a worker failed: {e}") from e
+                # The failed workers put their tracebacks on the queue before exiting.
+                with contextlib.suppress(Exception):  # a worker killed mid-put can leave it unreadable
+                    drain(0.5)
+                codes = [p.exitcode for p in procs.processes]
+                report = failure_report(codes, errors, e.error_index)
+                raise WorkerError(f"{label}: a worker failed:\n\n{report}") from e
             if done:
                 break
             if time.monotonic() > deadline:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -436,6 +438,29 @@ def test_worker_failure_is_a_clear_error(how, message):
     with pytest.raises(h.WorkerError, match=message) as e:
         h.run_local(cfg, store, prefix="fail/", run_timeout_s=120)
     assert "'ddp'" in str(e.value)
+    # The cause is named first, whichever failure torch noticed first (Note [Which worker failed]):
+    # rank 0 fails only after rank 1 is gone, if at all.
+    assert re.findall(r"-- Process (\d+) terminated", str(e.value))[0] == "1", str(e.value)
+
+
+def test_failure_report_names_the_cause_first():
+    from pyasync.demo.local import failure_report
+
+    sigterm = -signal.SIGTERM
+    # Rank 1 exited by itself; rank 0 raised after it (a reset connection), rank 2 was terminated:
+    # whichever torch noticed first, rank 1 leads and rank 2 is left out.
+    for first in (0, 1):
+        report = failure_report([1, 3, sigterm], {0: (5.0, "Traceback: reset by peer")}, first)
+        assert re.findall(r"-- Process (\d+) terminated", report) == ["1", "0"], report
+        assert "Process 1 terminated with exit code 3 (no traceback" in report
+        assert "Traceback: reset by peer" in report
+    # Raised ranks come earliest first; a SIGKILLed rank with no traceback leads them.
+    report = failure_report([1, 1, -9], {0: (7.0, "later"), 1: (6.0, "earlier")}, 0)
+    assert re.findall(r"-- Process (\d+) terminated", report) == ["2", "1", "0"], report
+    assert "signal SIGKILL" in report and report.index("earlier") < report.index("later")
+    # The rank torch named is always reported, even when only SIGTERM ended it (from outside the run).
+    report = failure_report([sigterm, None], {}, 0)
+    assert report.startswith("-- Process 0 terminated with signal SIGTERM"), report
 
 
 @pytest.mark.multiproc
