@@ -40,6 +40,9 @@ __all__ = ["ASP", "BSP", "SSP", "Local", "Policy", "Quorum", "parse_policy"]
 _LR_SCALES = (None, "inverse", "delay", "round")
 #: The spike clip's factor under ``clip="auto"`` where the optimizer keeps moments (Note [Spike clipping]).
 AUTO_CLIP = 1.5
+#: Under ``lookahead="auto"`` an answer looks ahead by at least this fraction of the momentum's memory,
+#: 1 / (1 - mu) updates of the per-update momentum mu (Note [Look-ahead replies]).
+LOOKAHEAD_MEMORY = 0.5
 
 
 class Policy:
@@ -89,9 +92,9 @@ def _check_per_push(p) -> None:
     if not isinstance(p.dc, (int, float)) or not math.isfinite(p.dc) or p.dc < 0:
         raise ValueError(f"dc (the delay compensation's lambda) must be a finite number >= 0, got {p.dc!r}")
     la = p.lookahead
-    if la != "auto" and (isinstance(la, bool) or not isinstance(la, int) or la < 0):
+    if la not in ("auto", "stale") and (isinstance(la, bool) or not isinstance(la, int) or la < 0):
         raise ValueError(
-            f"lookahead must be 'auto' or a number of updates >= 0 (0: off), got {la!r}; "
+            f"lookahead must be 'auto', 'stale' or a number of updates >= 0 (0: off), got {la!r}; "
             "Note [Look-ahead replies] in pyasync/policy.py"
         )
     c = p.clip
@@ -173,7 +176,11 @@ class _PerPush(Policy):
         land: Nesterov's look-ahead, carried over to asynchrony (DANA, Hakimi et al. 2019). With
         ``lookahead="auto"`` ("lookahead=auto") k is, for each worker answered, the running mean of
         the staleness of its pushes (about the last 8, rounded), so the look-ahead follows the measured
-        delay: n - 1 or so for a fast worker, more for a straggler. The masters and the optimizer
+        delay: n - 1 or so for a fast worker, more for a straggler; under ASP, "auto" also spans at
+        least half the momentum's memory, LOOKAHEAD_MEMORY / (1 - mu) updates of the per-update
+        momentum mu (beta1 for Adam), per param group: 20 pushes for momentum 0.9 per round of 4
+        workers. ``lookahead="stale"`` is the staleness alone (ASP's "auto" before the floor; SSP's
+        "auto"). The masters and the optimizer
         state are not touched, only what the workers are sent; the final answer (after every worker
         closed) is the master itself, so replicas end equal. Without momentum state (SGD without
         momentum, a generic optimizer) the answer is the master. With ``moments=round`` the prediction
@@ -187,7 +194,19 @@ class _PerPush(Policy):
         rest. On ``seq`` with the straggler (median of three seeds, with the spike clip; docs/benchmarks.md,
         "Defaults that converge") SSP(1) went from 0.984 (look-ahead with moments per push) to 0.994,
         BSP's 0.997 within half a point, and ASP, which also waits for its own answers now, from 0.83
-        to 0.95. Both are the defaults ("lookahead=off", "moments=push" turn them off). When an
+        to 0.95. Both are the defaults ("lookahead=off", "moments=push" turn them off).
+
+        Why ASP's floor: looking further ahead than the delay, as Nesterov looks one step ahead of the
+        momentum, measured better for ASP and worse for SSP (three seeds each, 4 workers, one 2x
+        straggler, "A longer look-ahead" in docs/benchmarks.md): ASP with 20 updates against the
+        staleness (3) ended 1.05 points below BSP on ``seq`` with SGD momentum (median; -5.06 with the
+        staleness), 0.7% above DDP's loss on ``lm`` with AdamW (+1.6%), and closer on ``lm`` with SGD
+        momentum too; SSP(1) and SSP(3) lost 0.5-1.5 points with it. A reading, not tested apart:
+        ASP's pushes arrive one by one, each 3-6 updates old, and the momentum carries each of them
+        over the next ~38 updates, so a gradient taken where the master will be some way into that
+        span meets the parameters it acts on; SSP's rounds arrive together, 0-3 updates old, and its
+        workers already wait for them. Only n = 4 and momentum 0.9 were measured; for momentum 0.99 the
+        floor is 10x longer, unmeasured. When an
         owner dies (``elastic=True``), its shards' values come from the freshest replica, which holds a
         look-ahead: the new master then starts k momentum steps ahead, the displacement the lost
         momentum (re-initialized, or taken from the epoch's checkpoint) would have carried anyway.
@@ -253,6 +272,12 @@ class _PerPush(Policy):
         """The momentum a mean staleness of ``mean_staleness`` implies (Note [Momentum correction])."""
         return mean_staleness / (mean_staleness + 1.0) if self.momentum_correction else 0.0
 
+    @property
+    def lookahead_memory(self) -> float:
+        """The least look-ahead, as a fraction of the momentum's memory 1 / (1 - mu) in updates, that
+        the answers span (0: none; Note [Look-ahead replies]): LOOKAHEAD_MEMORY for ASP under "auto"."""
+        return 0.0
+
     def _options(self) -> str:
         """The spec's suffix for the options that differ from their defaults."""
         out = f":{self.lr_scale}" if self.lr_scale else ""
@@ -315,7 +340,8 @@ class SSP(_PerPush):
     update (gradient scaled by 1/n); a worker may start step t only on parameters that include every
     worker's pushes of every clock <= t - s - 1. ``lr_scale="inverse"`` divides each update by
     max(1, staleness). By default (as for ASP) the optimizer's moments advance per round of n pushes,
-    answers look ahead by the worker's staleness and spikes are clipped where the optimizer keeps
+    answers look ahead by the worker's staleness (ASP: at least half the momentum's memory) and spikes
+    are clipped where the optimizer keeps
     moments (Notes [Moments per round], [Look-ahead replies], [Spike clipping]; "moments=push",
     "lookahead=off", "clip=off" turn each off)."""
 
@@ -390,6 +416,10 @@ class ASP(_PerPush):
 
     def answer_now(self, clock: int, included: Sequence[int], closed: Sequence[bool]) -> bool:
         return True
+
+    @property
+    def lookahead_memory(self) -> float:
+        return LOOKAHEAD_MEMORY if self.lookahead == "auto" else 0.0
 
 
 @dataclass(frozen=True)
@@ -562,7 +592,7 @@ def parse_policy(x: PolicyLike) -> Policy:
         f"unknown policy string {x!r}; use 'bsp', 'bsp:p2p', 'asp', 'ssp:<s>', 'quorum:<k>' or "
         "'quorum:<k>:fold'; asp and ssp take an lr scale ('asp:inverse', 'ssp:2:delay') and options "
         "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
-        "'lookahead=auto|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
+        "'lookahead=auto|stale|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
         "'patience=auto|<seconds>|inf'; local steps: 'local:<H>', 'local:<H>:quorum:<k>', 'local:<H>:async', "
         "each optionally ':adaptive', with options 'lr=<outer lr>' and 'momentum=<outer momentum>'"
     )
@@ -609,7 +639,7 @@ def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
         kw["dc"] = float(opts["dc"])
     if "lookahead" in opts:
         la = opts["lookahead"]
-        kw["lookahead"] = la if la == "auto" else 0 if la == "off" else int(la)
+        kw["lookahead"] = la if la in ("auto", "stale") else 0 if la == "off" else int(la)
     if "clip" in opts:
         c = opts["clip"]
         kw["clip"] = c if c == "auto" else 0.0 if c == "off" else float(c)

@@ -135,6 +135,7 @@ def test_delay_adaptive_lr_keeps_a_full_step_up_to_n_and_shrinks_beyond(stale, w
         ("ssp:2:delay", SSP(2, lr_scale="delay")),
         ("asp:lookahead=auto:clip=1.5", ASP(lookahead="auto", clip=1.5)),
         ("ssp:3:lookahead=2", SSP(3, lookahead=2)),
+        ("asp:lookahead=stale", ASP(lookahead="stale")),
         ("ssp:3", SSP(3, lookahead="auto", round_moments=True, clip="auto")),
         ("ssp:1:clip=off", SSP(1, clip=0.0)),
         ("ssp:1:clip=2", SSP(1, clip=2.0)),
@@ -160,6 +161,7 @@ def test_policy_options_round_trip(spec, want):
         ("bsp:mc=off", "no key=value"),
         ("asp:lookahead=-2", "lookahead must be"),
         ("asp:lookahead=soon", "invalid literal"),
+        ("ssp:1:lookahead=none", "invalid literal"),
         ("ssp:1:clip=0.5", "clip must be"),
         ("ssp:1:clip=nan", "clip must be"),
         ("ssp:1:clip=sometimes", "could not convert"),
@@ -317,6 +319,38 @@ def test_sgd_lookahead_follows_moments_per_round(k):
     assert not torch.allclose(got, rule.lookahead(sh.state, k, WORLD))  # mu^(1/n), not mu
 
 
+def test_lookahead_floor_is_a_share_of_the_momentums_memory():
+    """Under "auto" the look-ahead spans at least LOOKAHEAD_MEMORY / (1 - mu) updates, mu per update."""
+    from pyasync.engine.core.rule import lookahead_floor
+    from pyasync.policy import LOOKAHEAD_MEMORY
+
+    assert LOOKAHEAD_MEMORY == 0.5
+    assert lookahead_floor(0.9, 0.5) == 5
+    assert lookahead_floor(0.9 ** (1 / 4), 0.5) == 20  # momentum 0.9 per round of 4 pushes
+    assert lookahead_floor(0.5, 0.5) == 1
+    assert lookahead_floor(0.0, 0.5) == 0 and lookahead_floor(0.9, 0.0) == 0
+
+
+@pytest.mark.parametrize("k", [0, 3, 30])
+def test_lookahead_with_a_memory_floor_spans_the_longer_of_k_and_the_floor(k):
+    torch.manual_seed(4)
+    opt = torch.optim.SGD([torch.zeros(1)], lr=0.05, momentum=0.9)
+    rule, sh = _shard(opt, torch.randn(N))
+    for i in range(6):
+        apply_push(rule, sh, _push(torch.randn(N), i % WORLD, i // WORLD), WORLD, 1.0, per_round=True)
+    floor = 20  # 0.5 / (1 - 0.9 ** (1 / 4)) rounded up
+    got = rule.lookahead(sh.state, k, WORLD, round_of=WORLD, memory=0.5)
+    want = rule.lookahead(sh.state, max(k, floor), WORLD, round_of=WORLD)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_only_asp_under_auto_has_a_lookahead_floor():
+    """Measured: the floor helps ASP and hurts SSP (docs/benchmarks.md, "A longer look-ahead")."""
+    assert ASP().lookahead_memory == 0.5
+    assert ASP(lookahead="stale").lookahead_memory == 0.0 and ASP(lookahead=3).lookahead_memory == 0.0
+    assert SSP(1).lookahead_memory == 0.0 and SSP(1, lookahead="stale").lookahead_memory == 0.0
+
+
 def test_lookahead_without_momentum_state_is_the_master():
     torch.manual_seed(2)
     rule, sh = _shard(torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.randn(N))
@@ -325,10 +359,14 @@ def test_lookahead_without_momentum_state_is_the_master():
 
 
 def test_the_round_looks_ahead_by_each_workers_running_staleness():
-    """Answer.ahead: per dest, k under a fixed look-ahead; under "auto" the rounded running mean
-    (weight 1/8) of that worker's pushes' staleness, this push's included; nothing when off and
-    nothing on the final answer."""
-    rnd = ASP(lookahead="auto").round(WORLD, 1)
+    """Answer.ahead: per dest, k under a fixed look-ahead; under "auto" and "stale" the rounded running
+    mean (weight 1/8) of that worker's pushes' staleness, this push's included (ASP's owner stretches
+    it to its floor under "auto"); nothing when off and nothing on the final answer."""
+    for la in ("auto", "stale"):
+        _check_running_staleness(ASP(lookahead=la).round(WORLD, 1))
+
+
+def _check_running_staleness(rnd):
     mean: dict[int, float] = {}
     for i, (w, s) in enumerate([(0, 3), (1, 0), (0, 9), (1, 2), (0, 5), (2, 6)]):
         clock = sum(1 for x, _ in [(0, 3), (1, 0), (0, 9), (1, 2), (0, 5), (2, 6)][:i] if x == w)

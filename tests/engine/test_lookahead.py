@@ -5,27 +5,28 @@ against reference formulas is in tests/engine/test_async_math.py."""
 
 import datetime
 
+import pytest
 import torch
 from _dist import multiproc, run_workers
 
 TIMEOUT = datetime.timedelta(seconds=30)
-LR, MU, K = 0.05, 0.9, 3
+LR, MU = 0.05, 0.9
 
 
-def _one_rank(rank, world):
-    """One rank, SSP(0) (each step waits for its answer) with a fixed look-ahead of K: every step it
-    installs master - lr * (mu + ... + mu^K) * buf, the master and buf being torch's SGD run on the
-    same gradients; after close() it holds the master."""
+def _one_rank(rank, world, policy, k):
+    """One rank, SSP(0) (each step waits for its answer) under ``policy``: every step it installs
+    master - lr * (mu + ... + mu^k) * buf, the master and buf being torch's SGD run on the same
+    gradients; after close() it holds the master."""
     import pyasync
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(40))
     ref = torch.nn.Parameter(p.detach().clone())
     opt = pyasync.DistributedOptimizer(
-        torch.optim.SGD([p], lr=LR, momentum=MU), policy=f"ssp:0:lookahead={K}:clip=off", timeout=TIMEOUT
+        torch.optim.SGD([p], lr=LR, momentum=MU), policy=policy, timeout=TIMEOUT
     )
     ref_opt = torch.optim.SGD([ref], lr=LR, momentum=MU)
-    reach = sum(MU**j for j in range(1, K + 1))
+    reach = sum(MU**j for j in range(1, k + 1))
     worst = 0.0
     g = torch.Generator().manual_seed(1)
     for _ in range(10):
@@ -44,8 +45,20 @@ def _one_rank(rank, world):
 
 
 @multiproc
-def test_one_rank_installs_the_lookahead_and_ends_on_the_master():
-    (o,) = run_workers(_one_rank, 1, timeout=120)
+@pytest.mark.parametrize(
+    "policy, k",
+    # A fixed k; "auto" (the default) follows one rank's staleness, 0, under SSP; under ASP it spans
+    # at least half the momentum's memory, 0.5 / (1 - 0.9) = 5 updates (one worker: per-round moments
+    # are per push); "stale" follows the staleness under ASP too.
+    [
+        ("ssp:0:lookahead=3:clip=off", 3),
+        ("ssp:0:clip=off", 0),
+        ("asp:clip=off:patience=inf", 5),
+        ("asp:lookahead=stale:clip=off:patience=inf", 0),
+    ],
+)
+def test_one_rank_installs_the_lookahead_and_ends_on_the_master(policy, k):
+    (o,) = run_workers(_one_rank, 1, args=(policy, k), timeout=120)
     assert o["worst"] < 1e-5, f"installed values differ from master - lr * reach * buf by {o['worst']}"
     assert o["final"] < 1e-5, f"after close() the parameters differ from the master by {o['final']}"
 

@@ -250,11 +250,12 @@ class PushRound(Round):
 
     def _ahead(self, dests: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
         """Per dest, the updates its answer looks ahead by (Note [Look-ahead replies]): the policy's k,
-        or under "auto" the running mean of the worker's staleness (n - 1 before its first push)."""
+        or under "auto" and "stale" the running mean of the worker's staleness (n - 1 before its first
+        push); under "auto" ASP's owner stretches it to its floor (Owner.answer)."""
         la = getattr(self.policy, "lookahead", 0)
         if not la:
             return ()
-        if la != "auto":
+        if la not in ("auto", "stale"):
             return tuple(int(la) for _ in dests)
         return tuple(round(self.stale_of.get(w, self.n - 1)) for w, _ in dests)
 

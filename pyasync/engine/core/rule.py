@@ -9,6 +9,8 @@ gradient (see shards.Segment); each run is one kernel call.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pyasync.ops import apply as ops_apply
@@ -16,7 +18,16 @@ from pyasync.ops import codecs as ops_codecs
 from pyasync.ops._common import Payload
 from pyasync.optim import DelayedNesterov
 
-__all__ = ["ShardState", "UpdateRule"]
+__all__ = ["ShardState", "UpdateRule", "lookahead_floor"]
+
+
+def lookahead_floor(mu: float, memory: float) -> int:
+    """The fewest updates a look-ahead spans at ``memory`` times the memory 1 / (1 - mu) of a momentum
+    ``mu`` per update (rounded up; 0 without momentum or without a floor): Note [Look-ahead replies]
+    in pyasync/policy.py."""
+    if memory <= 0 or not 0 < mu < 1:
+        return 0
+    return math.ceil(memory / (1.0 - mu) - 1e-9)
 
 
 class ShardState:
@@ -307,15 +318,18 @@ class UpdateRule:
             validate=False,
         )
 
-    def lookahead(self, s: ShardState, k: int, n: int, round_of: int = 1) -> torch.Tensor:
+    def lookahead(
+        self, s: ShardState, k: int, n: int, round_of: int = 1, memory: float = 0.0
+    ) -> torch.Tensor:
         """Where shard ``s``'s master will be after ``k`` more updates with zero gradients (a new tensor):
         SGD: w - lr * (mu + ... + mu^k) * buf; Adam/AdamW: w - lr/n * (b1 + ... + b1^k) * m_hat /
         (sqrt(v_hat) + eps), each update a push's lr/n (Note [Look-ahead replies] in pyasync/policy.py).
         ``round_of`` > 1: the updates advance the moments per round (:meth:`apply`), so mu and b1 are
-        their ``round_of``-th roots. The master itself (cloned) where there is no momentum state to
-        carry it."""
+        their ``round_of``-th roots. ``memory`` > 0: k is at least ``memory`` times the momentum's
+        memory 1 / (1 - mu) in updates, per param group (:func:`lookahead_floor`). The master itself
+        (cloned) where there is no momentum state to carry it."""
         out = s.master.clone()
-        if k <= 0 or s.state1 is None or self.kind not in ("sgd", "adam"):
+        if (k <= 0 and memory <= 0) or s.state1 is None or self.kind not in ("sgd", "adam"):
             return out
         for i, seg in enumerate(s.layout.segments):
             if seg.end <= seg.begin or s.steps[i] == 0:
@@ -324,11 +338,11 @@ class UpdateRule:
             sign = 1.0 if grp.get("maximize", False) else -1.0
             if self.kind == "sgd":
                 mu = float(grp.get("momentum", 0.0)) ** (1.0 / round_of)
-                reach = sum(mu**j for j in range(1, k + 1))
+                reach = sum(mu**j for j in range(1, max(k, lookahead_floor(mu, memory)) + 1))
                 out[a:z].add_(s.state1[a:z], alpha=sign * float(grp["lr"]) * reach)
             else:
                 b1, b2 = (float(b) ** (1.0 / round_of) for b in grp["betas"])
-                reach = sum(b1**j for j in range(1, k + 1))
+                reach = sum(b1**j for j in range(1, max(k, lookahead_floor(b1, memory)) + 1))
                 step_size, bc2_sqrt = ops_apply.adam_scalars(float(grp["lr"]) / n, b1, b2, s.steps[i])
                 denom = (s.state2[a:z].sqrt() / bc2_sqrt).add_(float(grp["eps"]))
                 out[a:z].addcdiv_(s.state1[a:z], denom, value=sign * step_size * reach)

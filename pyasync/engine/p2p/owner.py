@@ -218,14 +218,17 @@ class Owner:
         rnd, master = sh.round, sh.state.master
         clocks = rnd.reflected  # Note [Reflected clocks]
         seen: dict[int, torch.Tensor] = {}  # look-ahead k -> values (one per distinct k)
+        memory = float(getattr(rnd.policy, "lookahead_memory", 0.0))  # ASP's floor under "auto"
 
         def values_for(i: int) -> torch.Tensor:
-            k = ahead[i] if ahead and not final else 0
-            if k <= 0:
+            if final or not ahead:
+                return master
+            k = ahead[i]
+            if k <= 0 and not memory:
                 return master
             if k not in seen:
                 per_round = bool(getattr(rnd.policy, "round_moments", False))
-                seen[k] = ap.rule.lookahead(sh.state, k, self.n, self.n if per_round else 1)
+                seen[k] = ap.rule.lookahead(sh.state, k, self.n, self.n if per_round else 1, memory)
             return seen[k]
 
         for i, (w, c) in enumerate(dests):
