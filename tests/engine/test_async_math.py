@@ -331,6 +331,14 @@ def test_lookahead_floor_is_a_share_of_the_momentums_memory():
     assert lookahead_floor(0.0, 0.5) == 0 and lookahead_floor(0.9, 0.0) == 0
 
 
+@pytest.mark.parametrize("mu", [0.0, 0.5, 0.9 ** (1 / 4), 0.999, 1.0])
+def test_lookahead_reach_is_the_sum_of_the_momentums_powers(mu):
+    from pyasync.engine.core.rule import _reach
+
+    for k in (0, 1, 7, 20, 3000):
+        assert _reach(mu, k) == pytest.approx(sum(mu**j for j in range(1, k + 1)), rel=1e-12, abs=1e-12)
+
+
 @pytest.mark.parametrize("k", [0, 3, 30])
 def test_lookahead_with_a_memory_floor_spans_the_longer_of_k_and_the_floor(k):
     torch.manual_seed(4)

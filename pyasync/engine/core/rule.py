@@ -30,6 +30,13 @@ def lookahead_floor(mu: float, memory: float) -> int:
     return math.ceil(memory / (1.0 - mu) - 1e-9)
 
 
+def _reach(mu: float, k: int) -> float:
+    """mu + mu^2 + ... + mu^k, in closed form (the floor can span thousands of updates)."""
+    if k <= 0 or mu == 0.0:
+        return 0.0
+    return float(k) if mu == 1.0 else mu * (1.0 - mu**k) / (1.0 - mu)
+
+
 class ShardState:
     """The optimizer state of one shard an owner keeps (touched only by that shard's applier thread).
     The round's bookkeeping (versions, clocks, the aggregate's pushers) is the round machine's
@@ -338,11 +345,11 @@ class UpdateRule:
             sign = 1.0 if grp.get("maximize", False) else -1.0
             if self.kind == "sgd":
                 mu = float(grp.get("momentum", 0.0)) ** (1.0 / round_of)
-                reach = sum(mu**j for j in range(1, max(k, lookahead_floor(mu, memory)) + 1))
+                reach = _reach(mu, max(k, lookahead_floor(mu, memory)))
                 out[a:z].add_(s.state1[a:z], alpha=sign * float(grp["lr"]) * reach)
             else:
                 b1, b2 = (float(b) ** (1.0 / round_of) for b in grp["betas"])
-                reach = sum(b1**j for j in range(1, max(k, lookahead_floor(b1, memory)) + 1))
+                reach = _reach(b1, max(k, lookahead_floor(b1, memory)))
                 step_size, bc2_sqrt = ops_apply.adam_scalars(float(grp["lr"]) / n, b1, b2, s.steps[i])
                 denom = (s.state2[a:z].sqrt() / bc2_sqrt).add_(float(grp["eps"]))
                 out[a:z].addcdiv_(s.state1[a:z], denom, value=sign * step_size * reach)
