@@ -58,8 +58,15 @@ def _env(
     return env
 
 
-def _describe(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+def describe_exit(code: int) -> str:
+    """A process's exit status in words: "exit code N", or "signal NAME" for -N (a number where the
+    signal has no name)."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def run(
@@ -100,7 +107,7 @@ def run(
                     continue
                 restarts += 1
                 print(
-                    f"pyasync.launch: worker {slot} (pid {p.pid}) failed ({_describe(code)}); starting a "
+                    f"pyasync.launch: worker {slot} (pid {p.pid}) failed ({describe_exit(code)}); starting a "
                     f"replacement that joins the job (restart {restarts} of {max_restarts})",
                     file=sys.stderr,
                     flush=True,
@@ -125,7 +132,7 @@ def run(
     if bad:
         print(
             "pyasync.launch: "
-            + "; ".join(f"worker {s} ended with {_describe(c)}" for s, c in bad.items())
+            + "; ".join(f"worker {s} ended with {describe_exit(c)}" for s, c in bad.items())
             + f" ({restarts} restarts used of {max_restarts})",
             file=sys.stderr,
             flush=True,

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from pyasync.demo.config import TrainConfig
 from pyasync.demo.data import Digits
 from pyasync.demo.train import join_run, train_worker
+from pyasync.launch import describe_exit
 
 #: What a local run executes on every rank: ``worker(cfg, rank, store, progress, data)`` returns rank 0's
 #: result (None elsewhere). It must be a module-level function (it is pickled by name for the workers).
@@ -144,15 +145,6 @@ def end_process_groups(pgids: list[int], grace_s: float = 10.0) -> list[int]:
     return left
 
 
-def _exit_status(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
 def failure_report(exitcodes: list[int | None], errors: dict[int, tuple[float, str]], first: int) -> str:
     """Every rank of a failed run that failed by itself, the likely cause first (Note [Which worker
     failed]). ``exitcodes``: each process's exit code (None: still running); ``errors``: rank ->
@@ -166,7 +158,7 @@ def failure_report(exitcodes: list[int | None], errors: dict[int, tuple[float, s
     if first not in errors and first not in died:
         died.insert(0, first)
     parts = [
-        f"-- Process {r} terminated with {_exit_status(exitcodes[r] or 0)} (no traceback: it exited or "
+        f"-- Process {r} terminated with {describe_exit(exitcodes[r] or 0)} (no traceback: it exited or "
         "was killed without raising)"
         for r in died
     ]
