@@ -2,6 +2,7 @@
 
     python bench/topk_momentum.py --out bench/results/topk_momentum/topk_momentum.json
     python bench/topk_momentum.py --variants dense,topk,dgc --ratios 0.01 --seeds 0 --steps 64   # quick
+    python bench/topk_momentum.py --variants dgc --ratios 0.01 --warmup 64 --out ...   # DGC's warm-up
 
 Four workers compute their gradients at the same weights (BSP, exact replies, no timing), each sends
 top-k of every quarter of the flat gradient (the four owners' shards) through its own
@@ -10,8 +11,10 @@ Variants (see Note [Momentum correction for top-k] in csrc/include/pyasync/math/
 
     dense        uncompressed momentum SGD (the reference)
     topk         top-k of the gradient with error feedback; the owner's momentum (TopK dgc="off")
-    dgc          momentum correction with factor masking (DGC; TopK's default under SGD momentum)
+    dgc          momentum correction with factor masking (DGC; TopK's default under SGD momentum at 1%)
     dgc-nomask   momentum correction without factor masking (TopK mask=False)
+    dgc-auto     momentum correction, masking by TopK's default rule (mask="auto": where the kept
+                 fraction < 1 - momentum); the same as dgc at 1%, and what a warm-up should use
     sgd-dense    no momentum at lr / (1 - mu): momentum SGD's steady-state step, without the momentum
     sgd-topk     top-k of the gradient with error feedback at that lr, no momentum anywhere
 
@@ -20,6 +23,12 @@ Each record gives the final test token accuracy and two measured quantities of t
 weighted by |value| (how late error feedback delivers the gradient's mass), and ``owed``, the norm of
 what the workers still owe at the end (residuals) over the norm of what they sent. One core, ~10 s per
 run; nothing here depends on timing.
+
+``--warmup W`` models DGC's sparsity warm-up (Lin et al. 2018, section 3.3): the kept fraction falls
+geometrically from ``--warmup-from`` (0.25, DGC's first) to the ratio over the first W steps (under
+``dgc-auto`` factor masking follows TopK's "auto" rule at each step's fraction). The library has no
+such schedule (its wire agrees on one k per shard); this measures whether one would pay first.
+``mean_ratio`` is the kept fraction averaged over the run's sends.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from harness.seqtask import load_sort_split, make_seq_model
 
 from pyasync.compression import TopK
 
-VARIANTS = ("dense", "topk", "dgc", "dgc-nomask", "sgd-dense", "sgd-topk")
+VARIANTS = ("dense", "topk", "dgc", "dgc-nomask", "dgc-auto", "sgd-dense", "sgd-topk")
+_MASK = {"dgc": True, "dgc-nomask": False, "dgc-auto": "auto"}
 WORKERS, BATCH, LR, MU = 4, 64, 0.03, 0.9  # the seq workload's (bench/harness/workload.py MODELS["seq"])
 
 
@@ -46,13 +56,20 @@ def _compressor(variant: str, ratio: float, mu: float) -> TopK | None:
     if variant in ("dense", "sgd-dense"):
         return None
     dgc = "off" if variant in ("topk", "sgd-topk") else "on"
-    comp = TopK(ratio=ratio, dgc=dgc, mask=variant != "dgc-nomask")
+    comp = TopK(ratio=ratio, dgc=dgc, mask=_MASK.get(variant, True))
     comp.bind_momentum(mu)
     return comp
 
 
-def run(variant: str, ratio: float, seed: int, steps: int) -> dict:
-    """One run; returns its record."""
+def warm_ratio(ratio: float, t: int, warmup: int, start: float) -> float:
+    """The kept fraction at step ``t`` (1-based) of a sparsity warm-up of ``warmup`` steps from ``start``."""
+    if warmup <= 0 or t > warmup or start <= ratio:
+        return ratio
+    return start * (ratio / start) ** ((t - 1) / warmup)
+
+
+def run(variant: str, ratio: float, seed: int, steps: int, warmup: int = 0, warm_from: float = 0.25) -> dict:
+    """One run; returns its record. ``warmup``: steps of sparsity warm-up from ``warm_from`` (0: none)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     plain = variant.startswith("sgd-")
@@ -67,11 +84,20 @@ def run(variant: str, ratio: float, seed: int, steps: int) -> dict:
     buf = torch.zeros(n)
     last_sent = torch.zeros(WORKERS, n, dtype=torch.int64)
     ages, weights = [], []
-    sent_sq = 0.0
+    sent_sq, kept = 0.0, []
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for t in range(1, steps + 1):
         mean = torch.zeros(n)
+        r_t = warm_ratio(ratio, t, warmup, warm_from)
+        for c in comps:  # the warm-up: the compressor reads its fraction at every encode
+            if c is not None and r_t != c.topk_ratio:
+                c.topk_ratio = r_t
+                # as TopK.bind_momentum resolves mask="auto", at this step's fraction
+                rare = c.momentum is not None and r_t < 1.0 - c.momentum
+                c.masking = c.momentum is not None and (c.mask is True or (c.mask == "auto" and rare))
+        if comps[0] is not None:
+            kept.append(r_t)
         for w in range(WORKERS):
             idx = torch.randint(0, data.x_train.shape[0], (BATCH,), generator=gen)
             net.zero_grad()
@@ -100,6 +126,8 @@ def run(variant: str, ratio: float, seed: int, steps: int) -> dict:
     rec = {"variant": variant, "ratio": ratio if comps[0] is not None else 1.0, "seed": seed, "steps": steps,
            "lr": round(lr, 6), "momentum": mu, "final_acc": round(acc, 4),
            "wall_s": round(time.perf_counter() - t0, 1)}
+    if warmup:
+        rec.update(warmup=warmup, warm_from=warm_from, mean_ratio=round(sum(kept) / len(kept), 4))
     if ages:
         a, wt = torch.cat(ages), torch.cat(weights)
         order = torch.argsort(a)
@@ -117,6 +145,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--ratios", default="0.01,0.25", help="top-k ratios (comma-separated)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=256, help="steps of every worker (seq's budget: 256)")
+    ap.add_argument("--warmup", type=int, default=0, help="steps of DGC's sparsity warm-up (0: none)")
+    ap.add_argument("--warmup-from", type=float, default=0.25, help="the warm-up's first kept fraction")
     ap.add_argument("--out", help="JSON list of records")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -125,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ratios = [1.0] if variant.endswith("dense") else [float(x) for x in args.ratios.split(",")]
         for ratio in ratios:
             for seed in (int(s) for s in args.seeds.split(",")):
-                rec = run(variant, ratio, seed, args.steps)
+                rec = run(variant, ratio, seed, args.steps, args.warmup, args.warmup_from)
                 print(json.dumps(rec), flush=True)
                 out.append(rec)
     if args.out:
