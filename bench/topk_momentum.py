@@ -92,10 +92,7 @@ def run(variant: str, ratio: float, seed: int, steps: int, warmup: int = 0, warm
         r_t = warm_ratio(ratio, t, warmup, warm_from)
         for c in comps:  # the warm-up: the compressor reads its fraction at every encode
             if c is not None and r_t != c.topk_ratio:
-                c.topk_ratio = r_t
-                # as TopK.bind_momentum resolves mask="auto", at this step's fraction
-                rare = c.momentum is not None and r_t < 1.0 - c.momentum
-                c.masking = c.momentum is not None and (c.mask is True or (c.mask == "auto" and rare))
+                c.set_ratio(r_t)  # mask="auto" resolved again at this step's fraction
         if comps[0] is not None:
             kept.append(r_t)
         for w in range(WORKERS):

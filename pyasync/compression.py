@@ -329,11 +329,24 @@ class TopK(Compressor):
         self.momentum = momentum if on else None
         self.nesterov = bool(nesterov) if on else False
         self._source = source if on else None
+        self._resolve_masking()
+        self._velocities.clear()
+
+    def set_ratio(self, ratio: float) -> None:
+        """Change the kept fraction from the next encode on (a sparsity schedule, as DGC's warm-up),
+        resolving mask="auto" again at the new fraction. Every worker must make the same change at
+        the same step."""
+        self.topk_ratio = _check_ratio(ratio)
+        self._resolve_masking()
+
+    def _resolve_masking(self) -> None:
         # Note [Momentum correction for top-k]: masking costs each send the velocity's tail, so it
         # pays only where an element is sent less often than once per 1 / (1 - momentum) steps.
-        rare = self.topk_ratio < 1.0 - momentum
-        self.masking = on and (self.mask is True or (self.mask == "auto" and rare))
-        self._velocities.clear()
+        if self.momentum is None:
+            self.masking = False
+            return
+        rare = self.topk_ratio < 1.0 - self.momentum
+        self.masking = self.mask is True or (self.mask == "auto" and rare)
 
     def _encode_with_residual(self, flat, cur, spare, key, out, kwargs) -> Payload:
         if self.momentum is None:

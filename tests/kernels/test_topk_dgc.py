@@ -161,6 +161,18 @@ def test_masking_follows_the_ratio() -> None:
         p = comp.compress(g, key=0)
         _, u_ref, _ = dgc_encode(g, torch.zeros(1000), torch.zeros(1000), p.k, MU, mask=want)
         assert torch.equal(comp.velocity(0), u_ref)
+    comp = TopK(ratio=0.25)  # set_ratio (a sparsity schedule) resolves "auto" again at each fraction
+    comp.bind_momentum(MU)
+    assert not comp.masking
+    comp.set_ratio(0.01)
+    assert comp.topk_ratio == 0.01 and comp.masking
+    comp.set_ratio(0.5)
+    assert not comp.masking
+    unbound = TopK(ratio=0.25)
+    unbound.set_ratio(0.01)  # no momentum bound: nothing to mask
+    assert not unbound.masking
+    with pytest.raises(ValueError, match="ratio"):
+        comp.set_ratio(0.0)
     assert TopK(mask=False).spec() == "topk(ratio=0.01,mask=0,ef=1)"
     assert from_spec("topk:0.1:mask=1") == TopK(ratio=0.1, mask=True)
     with pytest.raises(ValueError, match="mask must be"):
