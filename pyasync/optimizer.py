@@ -180,6 +180,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             assign = assign_buckets(params, bucket_cap_mb)
             rule = UpdateRule(rule_optimizer)
             rule.bind_worker_momentum(comp)
+            rule.bind_gap(bool(getattr(outer, "gap", False)))  # Note [Gap-aware penalty]
             self._setup = Setup(
                 params=params,
                 names=names,

@@ -86,7 +86,7 @@ def _check_lr_scale(lr_scale: str | None) -> None:
 
 def _check_per_push(p) -> None:
     _check_lr_scale(p.lr_scale)
-    for name in ("momentum_correction", "round_moments"):
+    for name in ("momentum_correction", "round_moments", "gap"):
         if not isinstance(getattr(p, name), bool):
             raise ValueError(f"{name} must be True or False, got {getattr(p, name)!r}")
     if not isinstance(p.dc, (int, float)) or not math.isfinite(p.dc) or p.dc < 0:
@@ -165,6 +165,25 @@ class _PerPush(Policy):
         already keep (Note [Compressed replies on the point-to-point path]). A generic optimizer
         class (not SGD, Adam or AdamW) is not compensated.
 
+    Note [Gap-aware penalty]
+        With ``gap=True`` ("gap=on") the owner divides each stale push's gradient, per element, by how
+        far that element moved since the values the pushing worker was answered with, counted in the
+        element's usual step: g / max(1, |w_now - w_held| / C), C the running mean of |the element's
+        change per update| on this shard (about the last 100 updates, from zero: a mean of the first
+        few), the penalty starting once that mean has seen GAP_WARMUP updates of the shard, from the start
+        or from a restore (engine/core/rule.py; Gap-Aware, Barkai, Hakimi and
+        Schuster, ICLR 2020). Unlike a penalty by the staleness (``lr_scale="inverse"``) it leaves an
+        element that moved little (or back and forth) alone and damps the ones the other workers'
+        updates carried far. w_held is delay compensation's (Note [Delay compensation]), kept per
+        worker and shard; C is one more tensor of optimizer state per shard ("gap_step": checkpointed
+        and re-split with the others). The gap counts what the look-ahead reply added on purpose, so
+        with the penalty ASP's ``lookahead="auto"`` is the staleness alone (as "stale"), not the floor
+        of Note [Look-ahead replies]: with the floor the penalty read a look-ahead of 20 updates as a
+        gap of ~17 and ``seq`` collapsed (0.34). SGD, Adam and AdamW; a generic optimizer class is
+        not penalized. Off by default; it is computed with torch operations next to the fused apply
+        (the gradient is decoded to scratch first), not inside it. Measured in docs/benchmarks.md,
+        "The gap-aware penalty".
+
     Note [Look-ahead replies]
         A push applied tau updates after the values it was computed on is a gradient taken at the wrong
         point; with momentum most of the gap is predictable, because the owner's momentum keeps moving
@@ -237,6 +256,7 @@ class _PerPush(Policy):
     momentum_correction: bool = False
     round_moments: bool = True
     dc: float = 0.0
+    gap: bool = False
     lookahead: int | str = "auto"
     clip: float | str = "auto"
 
@@ -284,6 +304,7 @@ class _PerPush(Policy):
         out += ":mc=on" if self.momentum_correction else ""
         out += "" if self.round_moments else ":moments=push"
         out += f":dc={self.dc:g}" if self.dc else ""
+        out += ":gap=on" if self.gap else ""
         la = self.lookahead
         out += "" if la == "auto" else f":lookahead={la}" if la else ":lookahead=off"
         c = self.clip
@@ -350,6 +371,7 @@ class SSP(_PerPush):
     momentum_correction: bool = False
     round_moments: bool = True
     dc: float = 0.0
+    gap: bool = False
     lookahead: int | str = "auto"
     clip: float | str = "auto"
 
@@ -389,6 +411,7 @@ class ASP(_PerPush):
     momentum_correction: bool = False
     round_moments: bool = True
     dc: float = 0.0
+    gap: bool = False
     lookahead: int | str = "auto"
     clip: float | str = "auto"
     max_unanswered: int | None = 0
@@ -419,7 +442,8 @@ class ASP(_PerPush):
 
     @property
     def lookahead_memory(self) -> float:
-        return LOOKAHEAD_MEMORY if self.lookahead == "auto" else 0.0
+        # Note [Gap-aware penalty]: with it "auto" is the staleness alone, as "stale"
+        return LOOKAHEAD_MEMORY if self.lookahead == "auto" and not self.gap else 0.0
 
 
 @dataclass(frozen=True)
@@ -592,6 +616,7 @@ def parse_policy(x: PolicyLike) -> Policy:
         f"unknown policy string {x!r}; use 'bsp', 'bsp:p2p', 'asp', 'ssp:<s>', 'quorum:<k>' or "
         "'quorum:<k>:fold'; asp and ssp take an lr scale ('asp:inverse', 'ssp:2:delay') and options "
         "'moments=push|round', 'mc=on|off' (momentum correction), 'dc=<lambda>' (delay compensation), "
+        "'gap=on|off' (gap-aware penalty), "
         "'lookahead=auto|stale|<k>|off', 'clip=auto|<c>|off' and, for asp, 'unanswered=<k or inf>' and "
         "'patience=auto|<seconds>|inf'; local steps: 'local:<H>', 'local:<H>:quorum:<k>', 'local:<H>:async', "
         "each optionally ':adaptive', with options 'lr=<outer lr>' and 'momentum=<outer momentum>'"
@@ -624,7 +649,7 @@ def _parse_local(args: list[str], opts: dict[str, str]) -> Policy:
 
 def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     """ASP or SSP from the spec's positional ``args`` and its key=value ``opts``."""
-    known = {"mc", "moments", "dc", "lookahead", "clip"}
+    known = {"mc", "moments", "dc", "gap", "lookahead", "clip"}
     known |= {"unanswered", "patience"} if name == "asp" else set()
     bad = sorted(set(opts) - known)
     if bad:
@@ -637,6 +662,10 @@ def _parse_per_push(name: str, args: list[str], opts: dict[str, str]) -> Policy:
     kw: dict = {"momentum_correction": mc == "on", "round_moments": moments == "round"}
     if "dc" in opts:
         kw["dc"] = float(opts["dc"])
+    if "gap" in opts:
+        if opts["gap"] not in ("on", "off"):
+            raise ValueError(f"gap must be 'on' or 'off' (the gap-aware penalty), got {opts['gap']!r}")
+        kw["gap"] = opts["gap"] == "on"
     if "lookahead" in opts:
         la = opts["lookahead"]
         kw["lookahead"] = la if la in ("auto", "stale") else 0 if la == "off" else int(la)

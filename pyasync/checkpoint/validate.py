@@ -162,7 +162,7 @@ def check_state(fpath: str, sd: Any, param_groups: list[dict], rank: int, world:
         o = d["optim"]
         _check_tensor(fpath, f"{w}['optim']['steps']", o.get("steps"), len(sh.segments), torch.int64)
         for k, t in o.items():
-            if k in ("state1", "state2"):
+            if k in ("state1", "state2", "gap_step"):
                 _check_tensor(fpath, f"{w}['optim'][{k!r}]", t, sh.numel, torch.float32)
             elif k != "steps" and not isinstance(t, torch.Tensor):
                 raise CheckpointError(f"{fpath}: {w}['optim'][{k!r}] is not a tensor")

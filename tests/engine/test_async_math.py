@@ -457,3 +457,80 @@ def test_auto_clip_acts_where_the_optimizer_keeps_moments(momentum):
     apply_push(rule2, sh2, _push(want * g, 1), WORLD, 1.0, clip=0.0)
     assert not torch.equal(auto, sh.state.master)
     torch.testing.assert_close(sh.state.master, sh2.state.master, rtol=1e-5, atol=1e-6)
+
+
+# -- Note [Gap-aware penalty] --------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_the_gap_aware_penalty_matches_its_formula(cls):
+    """Each push's gradient (as the step uses it) divided by max(1, |w - held| / C) per element, C the
+    running mean (decay GAP_BETA) of each element's |change| per update, from GAP_WARMUP updates on;
+    then the optimizer's step. Against torch's optimizer on the penalized gradients."""
+    from pyasync.engine.core.rule import GAP_BETA, GAP_WARMUP
+
+    torch.manual_seed(7)
+    start = torch.randn(N)
+    kw = {"lr": 0.1, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-2, "weight_decay": 0.01}
+    rule, sh = _shard(cls([torch.zeros(1)], **kw), start)
+    rule.bind_gap(True)
+    sh.state.gap_step = torch.zeros(N)  # what init_state allocates under bind_gap
+    ref_p = torch.nn.Parameter(start.clone())
+    ref_kw = dict(kw, lr=kw["lr"] / WORLD) if cls is not torch.optim.SGD else kw
+    ref_opt = cls([ref_p], **ref_kw)
+    c = torch.zeros(N)
+    penalized = 0
+    for t in range(GAP_WARMUP + 8):
+        g = torch.randn(N)
+        held = ref_p.detach() + 0.05 * torch.randn(N)  # what the pusher was answered with
+        apply_push(rule, sh, _push(g, t % WORLD), WORLD, 1.0, gap_held=held)
+        gs = g / WORLD if cls is torch.optim.SGD else g.clone()
+        if t >= GAP_WARMUP:
+            pen = ((ref_p.detach() - held).abs() / c.clamp_min(1e-12)).clamp_min(1.0)
+            penalized += int((pen > 1).sum())
+            gs = gs / pen
+        before = ref_p.detach().clone()
+        ref_p.grad = gs
+        ref_opt.step()
+        c = GAP_BETA * c + (1 - GAP_BETA) * (ref_p.detach() - before).abs()
+        torch.testing.assert_close(sh.state.master, ref_p.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sh.state.gap_step, c, rtol=1e-5, atol=1e-8)
+    assert penalized > N  # the penalty acted, on many elements
+    assert sh.state.gap_updates == GAP_WARMUP + 8
+
+
+def test_the_gap_aware_penalty_is_state_and_needs_a_fused_rule():
+    """gap_step is one more state tensor (checkpointed, re-split by name); a push without held values
+    is applied unpenalized but still counted into C; a generic optimizer is refused with a clear error."""
+    from pyasync.engine.core.rule import GAP_BETA
+
+    torch.manual_seed(8)
+    start = torch.randn(N)
+    opt = torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9)
+    rule = UpdateRule(opt)
+    rule.bind_gap(True)
+    assert rule.state_names() == ["state1", "gap_step"]
+    layout = build_layout([[0]], [N * WORLD], [0], WORLD)[0].shards[0]
+    s = rule.new_state(layout, start.clone())
+    assert s.gap_step is not None and not s.gap_step.any()
+    rule.apply(s, dense=torch.randn(N), seg_mask=[True])  # no gap_held: an ordinary update
+    assert s.gap_updates == 1
+    torch.testing.assert_close(s.gap_step, (1 - GAP_BETA) * (s.master - start).abs())
+    saved = {k: v.clone() for k, v in rule.state_tensors(s).items()}
+    assert "gap_step" in saved
+    fresh = rule.new_state(layout, start.clone())
+    rule.load_state_tensors(fresh, saved, "test")
+    assert torch.equal(fresh.gap_step, s.gap_step) and torch.equal(fresh.state1, s.state1)
+    assert "gap_step" not in UpdateRule(opt).state_names()  # off: no state
+    with pytest.raises(ValueError, match="gap=on.*SGD, Adam or AdamW"):
+        UpdateRule(torch.optim.RMSprop([torch.zeros(1)], lr=0.1)).bind_gap(True)
+
+
+def test_gap_parses_and_takes_the_lookahead_to_the_staleness():
+    p = parse_policy("asp:gap=on")
+    assert p == ASP(gap=True) and p.spec() == "asp:gap=on" and parse_policy(p.spec()) == p
+    assert p.lookahead_memory == 0.0 and ASP().lookahead_memory > 0  # "auto" is the staleness alone
+    assert parse_policy("ssp:2:gap=on") == SSP(2, gap=True)
+    assert parse_policy("asp:gap=off") == ASP()
+    with pytest.raises(ValueError, match="gap must be 'on' or 'off'"):
+        parse_policy("asp:gap=yes")
+    with pytest.raises(ValueError, match="gap must be True or False"):
+        ASP(gap=1)

@@ -241,3 +241,16 @@ def test_local_steps_run_their_outer_policys_machine():
         ("push", (2, 0, 0), [("apply", "w2c0", 1.0), ("answer", ((2, 0),))]),
         ("push", (0, 0, 1), [("apply", "w0c0", 1.0), ("answer", ((0, 0),))]),
     ])
+
+
+def test_the_gap_aware_penalty_rides_on_stale_pushes_only():
+    """Note [Gap-aware penalty]: an Apply carries gap=True where the push is stale (a fresh push's gap
+    is the look-ahead alone); the policy without it never sets it."""
+    r = ASP(gap=True).round(N, 1)
+    fresh = r.push(0, 0, 0, True, (True,), "w0c0")
+    stale = r.push(1, 0, 0, True, (True,), "w1c0")  # computed on version 0, applied on version 1
+    assert [a.gap for a in fresh if isinstance(a, Apply)] == [False]
+    assert [a.gap for a in stale if isinstance(a, Apply)] == [True]
+    plain = ASP().round(N, 1)
+    plain.push(0, 0, 0, True, (True,), "w0c0")
+    assert [a.gap for a in plain.push(1, 0, 0, True, (True,), "w1c0") if isinstance(a, Apply)] == [False]

@@ -22,6 +22,7 @@ class Apply:
     per_round: bool = False  # moments advance per round of n pushes (Note [Moments per round])
     dc: float = 0.0  # the delay compensation's lambda (Note [Delay compensation]); 0: none
     clip: float | str = 0.0  # x the shard's running norm (Note [Spike clipping]); 0: none; or "auto"
+    gap: bool = False  # the gap-aware penalty (Note [Gap-aware penalty] in pyasync/policy.py)
 
 
 @dataclass(frozen=True)

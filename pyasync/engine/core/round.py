@@ -219,7 +219,8 @@ class PushRound(Round):
             per_round = bool(getattr(p, "round_moments", False))
             dc = float(getattr(p, "dc", 0.0)) if stale > 0 else 0.0
             clip = getattr(p, "clip", 0.0)
-            out = [Apply(item, p.lr_factor(stale, self.n), self._implicit(stale), per_round, dc, clip)]
+            gap = bool(getattr(p, "gap", False)) and stale > 0
+            out = [Apply(item, p.lr_factor(stale, self.n), self._implicit(stale), per_round, dc, clip, gap)]
             self.version += 1
             self.c.applied += 1
             self.c.updates += 1

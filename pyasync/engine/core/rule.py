@@ -18,7 +18,13 @@ from pyasync.ops import codecs as ops_codecs
 from pyasync.ops._common import Payload
 from pyasync.optim import DelayedNesterov
 
-__all__ = ["ShardState", "UpdateRule", "lookahead_floor"]
+__all__ = ["GAP_BETA", "GAP_WARMUP", "ShardState", "UpdateRule", "lookahead_floor"]
+
+#: The gap-aware penalty (Note [Gap-aware penalty] in pyasync/policy.py) measures each element's gap in
+#: units of its running mean step, a mean of decay GAP_BETA per update (about the last 100), and starts
+#: once that mean has seen GAP_WARMUP updates of the shard (from the start, or from a restore).
+GAP_BETA = 0.99
+GAP_WARMUP = 20
 
 
 def lookahead_floor(mu: float, memory: float) -> int:
@@ -48,6 +54,8 @@ class ShardState:
         self.master: torch.Tensor | None = None  # fp32 values of the shard (numel,)
         self.state1: torch.Tensor | None = None  # SGD momentum / Adam exp_avg
         self.state2: torch.Tensor | None = None  # Adam exp_avg_sq
+        self.gap_step: torch.Tensor | None = None  # the gap-aware penalty's running mean |step|
+        self.gap_updates = 0  # updates gap_step has seen here (from the start or a restore)
         self.steps = [0] * len(layout.segments)  # optimizer steps taken by each segment
         self.scratch: torch.Tensor | None = None  # decode / top-k scratch
         self.generic = None  # private torch optimizer (generic rule)
@@ -89,6 +97,7 @@ class UpdateRule:
         # correction for top-k] in csrc/include/pyasync/math/topk.h); the owners then step with
         # momentum 0 and keep no momentum buffer. Set by bind_worker_momentum.
         self.worker_momentum = 0.0
+        self.gap = False  # the gap-aware penalty is on (bind_gap); its state is "gap_step"
 
     @property
     def fused(self) -> bool:
@@ -115,6 +124,15 @@ class UpdateRule:
         bind(momenta.pop(), nesterov.pop() if len(nesterov) == 1 else False, source=self.current_momentum)
         self.worker_momentum = compressor.momentum or 0.0
 
+    def bind_gap(self, on: bool) -> None:
+        """Keep the gap-aware penalty's state and apply it to the pushes handed a ``gap_held`` (Note
+        [Gap-aware penalty] in pyasync/policy.py); SGD, Adam and AdamW only. Called before any state."""
+        if on and self.kind not in ("sgd", "adam"):
+            raise ValueError(
+                f"the gap-aware penalty (gap=on) needs torch.optim.SGD, Adam or AdamW; the optimizer is "
+                f"{type(self.optimizer).__name__}. Drop gap=on, or use one of those optimizers")
+        self.gap = bool(on)
+
     def current_momentum(self) -> float:
         """The SGD momentum the param groups hold now (a scheduler may change it, e.g. OneCycleLR's
         cycle_momentum): what momentum-corrected top-k steps the workers' velocities with."""
@@ -132,10 +150,12 @@ class UpdateRule:
     def state_names(self) -> list[str]:
         """Names of the fused rule's per-element state tensors (besides the per-segment "steps")."""
         if self.kind in ("adam", "delayed_nesterov"):
-            return ["state1", "state2"]
-        if self.kind == "sgd" and any(self._momentum(g) != 0.0 for g in self.groups):
-            return ["state1"]
-        return []
+            names = ["state1", "state2"]
+        elif self.kind == "sgd" and any(self._momentum(g) != 0.0 for g in self.groups):
+            names = ["state1"]
+        else:
+            names = []
+        return names + ["gap_step"] if self.gap else names
 
     def describe(self) -> list[str]:
         return [
@@ -160,6 +180,8 @@ class UpdateRule:
                 s.state1 = torch.zeros_like(s.master)
         else:
             self._generic_init(s)
+        if self.gap:
+            s.gap_step = torch.zeros_like(s.master)
 
     def _generic_init(self, s: ShardState) -> None:
         segs = s.layout.segments
@@ -210,6 +232,7 @@ class UpdateRule:
         round_of: int = 1,
         dc_lambda: float = 0.0,
         dc_held: torch.Tensor | None = None,
+        gap_held: torch.Tensor | None = None,
     ) -> None:
         """One update of shard ``s`` from ``grad_scale * decode(payload)`` or ``dense``, on the segments
         whose ``seg_mask`` entry is True (the others are not touched, not even by weight decay).
@@ -221,13 +244,19 @@ class UpdateRule:
         ``momentum_shift`` is then taken off the momentum (SGD) or beta1 (Adam), down to 0 (Note
         [Momentum correction]). ``dc_lambda`` > 0 with ``dc_held`` (what the pushing worker held of the
         shard): delay compensation in the fused kernels (Note [Delay compensation] in
-        pyasync/policy.py). The generic rule ignores all three.
+        pyasync/policy.py). ``gap_held`` (the same, under :meth:`bind_gap`): the gradient is divided by
+        the gap-aware penalty first (Note [Gap-aware penalty]). The generic rule ignores all four.
         The payload is trusted: the engine's own encoder made it, or the wire validated it."""
         n = s.master.numel()
         runs = self.runs(s, seg_mask)
         if not runs:
             return
         whole = len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == n
+        gap = self.gap and s.gap_step is not None
+        if gap and gap_held is not None:
+            dense = self._gap_penalty(s, runs, payload, grad_scale, dense, gap_held)
+            payload, grad_scale = None, 1.0
+        before = [s.master[a:z].clone() for a, z, *_ in runs] if gap else None
         if payload is not None and (not whole or not self.fused):
             dense = ops_codecs.decode(payload, out=s.scratch_buf(), alpha=float(grad_scale), validate=False)
             payload, grad_scale = None, 1.0
@@ -277,6 +306,27 @@ class UpdateRule:
                 self._adam(s, a, z, grp, p, d, grad_scale, lr_factor, steps, round_of, shift, scratch, dc)
             for i in idx:
                 s.steps[i] += 1
+        if before is not None:  # the running mean |step| of each element updated
+            for (a, z, *_), w0 in zip(runs, before):
+                step = w0.sub_(s.master[a:z]).abs_()
+                s.gap_step[a:z].mul_(GAP_BETA).add_(step, alpha=1.0 - GAP_BETA)
+            s.gap_updates += 1
+
+    @staticmethod
+    def _gap_penalty(s, runs, payload, grad_scale, dense, held) -> torch.Tensor:
+        """The push's gradient (``grad_scale`` x ``payload`` decoded, or a copy of ``dense``) divided on
+        the runs, once past the warm-up, by max(1, |master - held| / gap_step) (Note [Gap-aware
+        penalty])."""
+        if payload is not None:
+            g = ops_codecs.decode(payload, out=s.scratch_buf(), alpha=float(grad_scale), validate=False)
+        else:
+            g = dense.clone()
+        if s.gap_updates < GAP_WARMUP:
+            return g
+        for a, z, *_ in runs:
+            ratio = (s.master[a:z] - held[a:z]).abs_().div_(s.gap_step[a:z].clamp_min(1e-12))
+            g[a:z].div_(ratio.clamp_min_(1.0))
+        return g
 
     def _adam(self, s, a, z, grp, payload, dense, grad_scale, lr_factor, steps, round_of, shift, scratch, dc):
         """One Adam / AdamW update of elements [a, z) of shard ``s`` (the arguments of :meth:`apply`)."""
@@ -384,6 +434,8 @@ class UpdateRule:
             out["state1"] = s.state1
         if s.state2 is not None:
             out["state2"] = s.state2
+        if s.gap_step is not None:
+            out["gap_step"] = s.gap_step
         if s.generic is not None:
             for _j, (i, v) in enumerate(s.generic_views):
                 for k, t in s.generic.state.get(v, {}).items():
@@ -395,7 +447,7 @@ class UpdateRule:
         steps = d.get("steps")
         if steps is None or steps.numel() != len(s.steps):
             raise ValueError(f"{where}: 'steps' must hold {len(s.steps)} entries")
-        for name, attr in (("state1", "state1"), ("state2", "state2")):
+        for name, attr in (("state1", "state1"), ("state2", "state2"), ("gap_step", "gap_step")):
             t = d.get(name)
             if t is not None:
                 if t.numel() != s.master.numel():

@@ -78,6 +78,7 @@ def apply_push(
     per_round: bool = False,
     dc: tuple[float, torch.Tensor] | None = None,
     clip: float | str = 0.0,
+    gap_held: torch.Tensor | None = None,
 ) -> None:
     """Apply one push as an update of its own (Apply): its gradient x 1/n (Adam: its learning rate x 1/n,
     Note [A round of pushes] in pyasync/policy.py), the learning rate x ``lr_factor``, the explicit
@@ -85,7 +86,8 @@ def apply_push(
     advance per round of n pushes (Note [Moments per round]); ``dc``: (lambda, what the pushing worker
     held of the shard), delay compensation (Note [Delay compensation]); ``clip`` > 0: the gradient is
     clipped at ``clip`` x the shard's running norm (Note [Spike clipping]); "auto": at AUTO_CLIP where the
-    optimizer keeps moments (momentum, Adam), not at all where it does not."""
+    optimizer keeps moments (momentum, Adam), not at all where it does not; ``gap_held``: what the
+    pushing worker held of the shard, for the gap-aware penalty (Note [Gap-aware penalty])."""
     adaptive = rule.kind == "adam"
     if clip == "auto":
         clip = AUTO_CLIP if sh.state.state1 is not None else 0.0
@@ -100,6 +102,7 @@ def apply_push(
         round_of=n if per_round else 1,
         dc_lambda=dc[0] if dc is not None else 0.0,
         dc_held=dc[1] if dc is not None else None,
+        gap_held=gap_held,
     )
 
 
@@ -228,9 +231,10 @@ class Applier(threading.Thread):
     def _apply(self, sh: OwnedShard, a: rnd.Apply) -> None:
         push = a.item
         self._ready(sh, push)
-        held = self.owner.replies.held.get((sh.bucket, push.worker)) if a.dc else None
-        dc = (a.dc, held) if held is not None else None
-        apply_push(self.rule, sh, push, self.n, a.lr_factor, a.implicit, a.per_round, dc, a.clip)
+        held = self.owner.replies.held.get((sh.bucket, push.worker)) if a.dc or a.gap else None
+        dc = (a.dc, held) if held is not None and a.dc else None
+        gap = held if a.gap else None
+        apply_push(self.rule, sh, push, self.n, a.lr_factor, a.implicit, a.per_round, dc, a.clip, gap)
         self.owner.release(push)
 
     def _sum(self, sh: OwnedShard, push: Push) -> None:

@@ -104,7 +104,8 @@ class Owner:
             compressor=compressor,
             timeout=timeout,
             masters=masters,
-            track=float(getattr(policy, "dc", 0.0)) > 0,  # Note [Delay compensation]
+            # Notes [Delay compensation], [Gap-aware penalty]
+            track=float(getattr(policy, "dc", 0.0)) > 0 or bool(getattr(policy, "gap", False)),
         )
         # wait_processed() sleeps on `progress`; appliers notify it after each push while someone waits.
         self.progress = threading.Condition()
